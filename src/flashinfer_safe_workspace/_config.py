@@ -1,0 +1,205 @@
+"""The one table of environment variables, their parsers, and a frozen Settings.
+
+Nothing else in the package reads ``os.environ``. A malformed value never raises:
+it logs one warning (per variable and value) and the default is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+from typing import Any, Callable, Mapping, NamedTuple
+
+PREFIX = "FLASHINFER_SAFE_WORKSPACE"
+_log = logging.getLogger("flashinfer_safe_workspace")
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class ParseError(ValueError):
+    """A value that does not fit a variable's grammar."""
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ParseError("expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def _number(kind: Callable[[str], Any], minimum: float, allow_zero: bool = True):
+    def parse(text: str):
+        try:
+            value = kind(text.strip())
+        except ValueError:
+            raise ParseError(f"expected a {kind.__name__}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ParseError("expected a finite number")
+        if value < minimum or (value == 0 and not allow_zero):
+            raise ParseError(
+                f"expected a number {'>' if not allow_zero else '>='} {minimum}"
+            )
+        return value
+
+    return parse
+
+
+def _choice(*choices: str):
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ParseError("expected one of " + "|".join(choices))
+        return value
+
+    return parse
+
+
+class Var(NamedTuple):
+    name: str  # full variable name
+    field: str  # Settings attribute
+    kind: str  # shown in the README table
+    default: Any
+    parse: Callable[[str], Any]
+    meaning: str
+
+
+# The single source of truth. The README's table is checked against it by a test.
+VARIABLES: tuple[Var, ...] = (
+    Var(PREFIX, "enabled", "bool", False, parse_bool,
+        "Master switch. On: the `.pth` activates the shim at interpreter start. The only "
+        "variable the `.pth` pre-gate looks at."),
+    Var(f"{PREFIX}_ON_VETO", "on_veto", "none\\|raise", "none", _choice("none", "raise"),
+        "What every rank gets when the vote vetoes: `None`, or `WorkspaceVetoed` raised. "
+        "The legacy tuple-returning function always raises."),
+    Var(f"{PREFIX}_HEADROOM_MB", "headroom_mb", "int MiB >= 0", 512, _number(int, 0),
+        "Extra device memory each rank must be able to hold on top of the plan's peak "
+        "(cold NCCL start-up inside FlashInfer's first collective, small tails)."),
+    Var(f"{PREFIX}_VOTE_TIMEOUT", "vote_timeout", "seconds > 0", 120.0,
+        _number(float, 0, allow_zero=False),
+        "Bound on the vote (and on creating the gloo group it runs on). A rank that does "
+        "not answer in time is a veto on every rank that did."),
+    Var(f"{PREFIX}_FAIL_OPEN", "fail_open", "bool", False, parse_bool,
+        "When our own code fails on a rank (no driver, unplanned case, bug), vote yes "
+        "instead of no."),
+    Var(f"{PREFIX}_UNKNOWN_VERSION", "unknown_version", "newest\\|pass-through\\|veto",
+        "newest", _choice("newest", "pass-through", "veto"),
+        "FlashInfer newer than the newest release we mirror: plan with the newest rules, "
+        "call FlashInfer unprotected, or veto."),
+    Var(f"{PREFIX}_CREATE_TIMEOUT", "create_timeout", "seconds >= 0 (0 = off)", 0.0,
+        _number(float, 0),
+        "Watchdog on FlashInfer's own creation call after a yes vote: past it, log what "
+        "the rank is waiting for (and abort with ON_HANG=abort)."),
+    Var(f"{PREFIX}_ON_HANG", "on_hang", "log\\|abort", "log", _choice("log", "abort"),
+        "What the creation watchdog does when it fires."),
+    Var(f"{PREFIX}_DEBUG", "debug", "bool", False, parse_bool,
+        "Debug logging to stderr, one line per step, prefixed with pid and rank."),
+)
+
+BY_NAME = {var.name: var for var in VARIABLES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    enabled: bool = False
+    on_veto: str = "none"
+    headroom_mb: int = 512
+    vote_timeout: float = 120.0
+    fail_open: bool = False
+    unknown_version: str = "newest"
+    create_timeout: float = 0.0
+    on_hang: str = "log"
+    debug: bool = False
+
+    @property
+    def headroom_bytes(self) -> int:
+        return int(self.headroom_mb) << 20
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(var: Var, raw: str, why: str) -> None:
+    key = (var.name, raw)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    _log.warning(
+        "flashinfer_safe_workspace: ignoring %s=%r (%s); using the default %r",
+        var.name, raw, why, var.default,
+    )
+
+
+def read_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Settings from ``environ`` (default: the process environment) and overrides.
+
+    Precedence: keyword overrides > environment > defaults. Overrides are validated
+    with the same parsers (given as strings or already-typed values); a bad override
+    raises ``ValueError`` because it comes from code, not from an operator's shell.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for var in VARIABLES:
+        raw = env.get(var.name)
+        if raw is None or raw.strip() == "":
+            continue  # empty means unset
+        try:
+            values[var.field] = var.parse(raw)
+        except ParseError as exc:
+            _warn_once(var, raw, str(exc))
+    fields = {var.field: var for var in VARIABLES}
+    for key, value in overrides.items():
+        if key not in fields:
+            raise TypeError(f"unknown setting {key!r}")
+        var = fields[key]
+        if isinstance(value, str):
+            try:
+                value = var.parse(value)
+            except ParseError as exc:
+                raise ValueError(f"{key}={value!r}: {exc}") from None
+        elif isinstance(var.default, bool):
+            value = bool(value)
+        elif isinstance(var.default, (int, float)):
+            value = var.parse(str(value))
+        values[key] = value
+    return Settings(**values)
+
+
+def env_value(name: str) -> str | None:
+    """Raw value of one of our variables (for `doctor`)."""
+    if name not in BY_NAME:
+        raise KeyError(name)
+    return os.environ.get(name)
+
+
+def flashinfer_confidential_compute_override() -> str | None:
+    """FlashInfer's own CC override variable, read here so no other module reads the env."""
+    return os.environ.get("FLASHINFER_CONFIDENTIAL_COMPUTE")
+
+
+_current: Settings | None = None
+_current_lock = threading.Lock()
+
+
+def current() -> Settings:
+    """The process-wide Settings, read once (``reload`` re-reads them)."""
+    global _current
+    if _current is None:
+        with _current_lock:
+            if _current is None:
+                _current = read_settings()
+    return _current
+
+
+def reload(**overrides: Any) -> Settings:
+    global _current
+    with _current_lock:
+        _current = read_settings(**overrides)
+    return _current
