@@ -1,0 +1,50 @@
+"""flashinfer_safe_workspace: create FlashInfer's all-reduce fusion workspace on every
+rank or on none.
+
+Activated by ``FLASHINFER_SAFE_WORKSPACE=1`` (through the installed ``.pth``, or by
+importing this package), or explicitly with :func:`install`.
+"""
+
+from __future__ import annotations
+
+from ._errors import WorkspaceVetoed
+from ._version import __version__
+
+__all__ = ["install", "uninstall", "is_installed", "WorkspaceVetoed", "__version__"]
+
+
+def install(**overrides) -> None:
+    """Activate the shim now, whatever the environment says; raise if it cannot.
+
+    Keyword arguments override settings (``on_veto="raise"``, ``headroom_mb=256``, ...)
+    with the same validation as the environment variables. Idempotent.
+    """
+    from . import _bootstrap, _config, _log
+
+    settings = _config.reload(enabled=True, **overrides)
+    _log.configure(settings.debug)
+    _bootstrap.register_hooks()
+
+
+def uninstall() -> None:
+    """Restore FlashInfer's original functions (where nothing else wrapped them since)."""
+    from . import _decide, _patch
+
+    _patch.uninstall_targets()
+    _decide.clear_cache()
+
+
+def is_installed() -> bool:
+    """Whether the shim is active (its hooks wrap FlashInfer as soon as it is imported)."""
+    from . import _patch
+
+    return _patch.is_active()
+
+
+def _activate_from_environment() -> None:
+    from . import _bootstrap
+
+    _bootstrap.main()
+
+
+_activate_from_environment()

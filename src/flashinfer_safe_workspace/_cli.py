@@ -1,0 +1,126 @@
+"""Command line: ``python -m flashinfer_safe_workspace {demo,plan,doctor,check}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+MiB = 1 << 20
+
+
+def _add_shape(p, *, need_rank: bool = False) -> None:
+    p.add_argument("--backend", default="trtllm", choices=["trtllm", "mnnvl", "mnnvl-cutedsl", "auto"])
+    p.add_argument("--world-size", type=int, default=2)
+    if need_rank:
+        p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--max-token-num", type=int, default=2048)
+    p.add_argument("--hidden-dim", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flashinfer_safe_workspace")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="start local ranks and show plan, probe, vote, decision")
+    _add_shape(demo)
+    demo.add_argument("--starve-rank", type=int, default=None)
+    demo.add_argument("--short-mb", type=int, default=64,
+                      help="how far below plan+headroom the starved rank is left (MiB)")
+    demo.add_argument("--die-rank", type=int, default=None, help="this rank exits before the vote")
+    demo.add_argument("--slow-rank", type=int, default=None,
+                      help="this rank arrives after the vote timeout")
+    demo.add_argument("--vote-timeout", type=float, default=10.0)
+    demo.add_argument("--on-veto", default="none", choices=["none", "raise"])
+    demo.add_argument("--mode", default="auto", choices=["auto", "gpu", "simulated"],
+                      help="auto: real GPUs when there are enough, else a simulated device")
+    demo.add_argument("--json", action="store_true", help="one JSON object per rank")
+
+    rank = sub.add_parser("_demo-rank")  # internal: one rank of the demo
+    _add_shape(rank, need_rank=True)
+    for flag in ("--starve-rank", "--die-rank", "--slow-rank"):
+        rank.add_argument(flag, type=int, default=None)
+    rank.add_argument("--short-mb", type=int, default=64)
+    rank.add_argument("--vote-timeout", type=float, default=10.0)
+    rank.add_argument("--on-veto", default="none")
+    rank.add_argument("--mode", default="auto")
+
+    plan = sub.add_parser("plan", help="print the allocations a FlashInfer release makes (no GPU)")
+    plan.add_argument("--flashinfer-version", default=None,
+                      help="default: the installed FlashInfer")
+    plan.add_argument("--entry", default="unified", choices=["unified", "legacy"])
+    _add_shape(plan, need_rank=True)
+    plan.add_argument("--force-oneshot-support", action="store_true")
+    plan.add_argument("--use-symm-dev-mem", action="store_true", help="legacy entry only")
+    plan.add_argument("--granularity", type=int, default=2 * MiB)
+    plan.add_argument("--multicast-granularity", type=int, default=512 * MiB)
+    plan.add_argument("--handle-type", choices=["posix", "fabric"], default="posix")
+    plan.add_argument("--confidential-compute", action="store_true")
+    plan.add_argument("--no-multicast", action="store_true",
+                      help="a GPU without multicast (decides backend=auto from 0.6.16)")
+    plan.add_argument("--json", action="store_true")
+    return parser
+
+
+def _installed_flashinfer_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("flashinfer-python")
+    except Exception:
+        return "0.7.4"
+
+
+def cmd_plan(args) -> int:
+    import dataclasses
+
+    from . import _plan
+
+    version = args.flashinfer_version or _installed_flashinfer_version()
+    req = _plan.Request(
+        entry=args.entry, backend=args.backend if args.entry == "unified" else "trtllm",
+        world_size=args.world_size, rank=args.rank, max_token_num=args.max_token_num,
+        hidden_dim=args.hidden_dim, dtype=args.dtype,
+        force_oneshot_support=args.force_oneshot_support,
+        use_fp32_lamport=args.dtype == "float32", use_symm_dev_mem=args.use_symm_dev_mem,
+        create_metadata=True)
+    fields = {f.name for f in dataclasses.fields(_plan.Facts)}
+    extra = {"imex_channel": True} if "imex_channel" in fields and args.handle_type == "fabric" else {}
+    facts = _plan.Facts(
+        granularity=args.granularity, multicast_granularity=args.multicast_granularity,
+        fabric_supported=args.handle_type == "fabric", fabric_nvml_ok=args.handle_type == "fabric",
+        multicast_supported=not args.no_multicast, multicast_all_ranks=not args.no_multicast,
+        confidential_compute=args.confidential_compute, current_device=args.rank, **extra)
+    try:
+        result = _plan.make_plan(req, facts, version)
+    except _plan.Unplanned as exc:
+        print(f"no plan: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(result, _plan.PassThrough):
+        if args.json:
+            print(json.dumps({"flashinfer_version": version, "pass_through": result.reason}))
+        else:
+            print(f"FlashInfer {version} rejects this call before allocating: {result.reason}")
+        return 0
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(result.describe())
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from . import _demo
+        return _demo.run(args)
+    if args.command == "_demo-rank":
+        from . import _demo
+        return _demo.rank_main(args)
+    if args.command == "plan":
+        return cmd_plan(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

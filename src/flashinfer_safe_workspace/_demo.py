@@ -1,0 +1,195 @@
+"""The demo: N local ranks in a gloo group create the workspace through the shim.
+
+With enough GPUs every rank probes its own GPU with real ``cuMemCreate`` and the
+starved rank really is filled up; without, a simulated device (free bytes per rank)
+stands in for the CUDA probe. Everything above the probe is the real code path, and
+FlashInfer's real function is what gets called when the vote says yes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+MiB = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args) -> int:
+    """Parent: start the ranks, collect one JSON line from each, print them."""
+    port = _free_port()
+    env = dict(os.environ)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    procs = []
+    for rank in range(args.world_size):
+        cmd = [sys.executable, "-m", "flashinfer_safe_workspace", "_demo-rank",
+               "--rank", str(rank), "--world-size", str(args.world_size),
+               "--backend", args.backend, "--max-token-num", str(args.max_token_num),
+               "--hidden-dim", str(args.hidden_dim), "--dtype", args.dtype,
+               "--on-veto", args.on_veto, "--vote-timeout", str(args.vote_timeout),
+               "--mode", args.mode, "--short-mb", str(args.short_mb)]
+        for flag in ("starve_rank", "die_rank", "slow_rank"):
+            value = getattr(args, flag)
+            if value is not None:
+                cmd += ["--" + flag.replace("_", "-"), str(value)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    limit = args.vote_timeout + 60.0
+    start = time.monotonic()
+    rows = []
+    for rank, proc in enumerate(procs):
+        left = max(1.0, limit - (time.monotonic() - start))
+        try:
+            out, err = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            rows.append({"rank": rank, "outcome": "killed: no answer within the demo's bound",
+                         "returncode": None})
+            continue
+        line = next((l for l in reversed(out.splitlines()) if l.startswith("{")), None)
+        if line is None:
+            rows.append({"rank": rank, "outcome": "exited without a report",
+                         "returncode": proc.returncode, "stderr_tail": err.strip()[-400:]})
+        else:
+            row = json.loads(line)
+            row["returncode"] = proc.returncode
+            rows.append(row)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    else:
+        _print_table(rows, args)
+    return 0 if all(r.get("returncode") == 0 or r["rank"] == args.die_rank for r in rows) else 1
+
+
+def _print_table(rows, args) -> None:
+    print(f"flashinfer_safe_workspace demo: world_size={args.world_size} backend={args.backend} "
+          f"T={args.max_token_num} H={args.hidden_dim} dtype={args.dtype} "
+          f"starve_rank={args.starve_rank} on_veto={args.on_veto}")
+    for row in rows:
+        if "plan_bytes" not in row:
+            print(f"  rank {row['rank']}: {row['outcome']}")
+            continue
+        print(f"  rank {row['rank']} [{row['device_kind']}]: plan {row['plan_bytes'] / MiB:.1f} MiB"
+              f" + headroom {row['headroom_bytes'] / MiB:.0f} MiB, free {row['free_bytes'] / MiB:.1f} MiB,"
+              f" probe {'ok' if row['probe_ok'] else 'NO'} ({row['probe_ms']:.2f} ms),"
+              f" vote {row['vote']} ({row['vote_ms']:.1f} ms) -> {row['outcome']}"
+              f" in {row['decision_ms']:.1f} ms")
+    reasons = {r.get("reason") for r in rows if r.get("reason")}
+    for reason in sorted(reasons):
+        print(f"  reason: {reason}")
+
+
+def rank_main(args) -> int:
+    """Child: one rank."""
+    import torch
+    import torch.distributed as dist
+
+    import flashinfer_safe_workspace as fiws
+    from flashinfer_safe_workspace import _decide, _plan, _probe
+
+    rank, ws = args.rank, args.world_size
+    dist.init_process_group("gloo", rank=rank, world_size=ws,
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    use_gpu = args.mode == "gpu" or (args.mode == "auto" and torch.cuda.device_count() >= ws)
+    fiws.install(on_veto=args.on_veto, vote_timeout=args.vote_timeout)
+    import flashinfer
+    import flashinfer.comm as comm
+
+    settings = fiws._config.current()
+    dtype = getattr(torch, args.dtype)
+    req = _plan.Request("unified", args.backend, ws, rank, args.max_token_num, args.hidden_dim,
+                        args.dtype)
+    hog = None
+    if use_gpu:
+        torch.cuda.set_device(rank)
+        prober = _probe.CudaProber()
+        facts = prober.facts(None, False, ws)
+        need = _plan.make_plan(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
+        if args.starve_rank == rank:
+            hog = _Hog(rank)
+            hog.fill(leave=need - args.short_mb * MiB)
+        kind = f"cuda:{rank}"
+    else:
+        facts = _probe.SimulatedDevice(1 << 40).facts(None, False, ws)
+        need = _plan.make_plan(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
+        free = need - args.short_mb * MiB if args.starve_rank == rank else 80 << 30
+        _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
+        kind = "simulated"
+    dist.barrier()
+    if args.die_rank == rank:
+        os._exit(3)  # dies before the vote
+    if args.slow_rank == rank:
+        time.sleep(args.vote_timeout + 2.0)
+    start = time.perf_counter()
+    outcome, reason = "", ""
+    try:
+        ws_obj = comm.create_allreduce_fusion_workspace(
+            backend=args.backend, world_size=ws, rank=rank, max_token_num=args.max_token_num,
+            hidden_dim=args.hidden_dim, dtype=dtype)
+        outcome = "None (vetoed)" if ws_obj is None else f"created {type(ws_obj).__name__}"
+        if ws_obj is not None:
+            ws_obj.destroy()
+    except fiws.WorkspaceVetoed as exc:
+        outcome, reason = "raised WorkspaceVetoed", str(exc)
+    except Exception as exc:  # FlashInfer's own error, e.g. no CUDA on this machine
+        outcome = f"FlashInfer was called and raised {type(exc).__name__}: {str(exc)[:120]}"
+    decision_ms = (time.perf_counter() - start) * 1000
+    report = dict(_decide.last_report)
+    if not reason and report.get("vote") == "no":
+        reason = report.get("note", "")
+    row = {"rank": rank, "device_kind": kind, "outcome": outcome, "decision_ms": decision_ms,
+           "reason": _decide_reason(report) or reason, **report}
+    if hog is not None:
+        hog.release()
+    print(json.dumps(row, default=str), flush=True)
+    os._exit(0)  # skip process-group teardown: peers may have died on purpose
+
+
+def _decide_reason(report) -> str:
+    return report.get("message", "")
+
+
+class _Hog:
+    """Fills a GPU with cuMemCreate so that only ``leave`` bytes stay free (GPU demo)."""
+
+    def __init__(self, device: int):
+        from ._probe import _check, _driver
+        self.drv, self.check, self.device, self.handles = _driver(), _check, device, []
+
+    def fill(self, leave: int) -> None:
+        drv, check = self.drv, self.check
+        check(drv.cuInit(0))
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = drv.CUmemLocation()
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop.allocFlags.gpuDirectRDMACapable = 1
+        import torch
+        torch.cuda.init()
+        gran = 2 * MiB
+        while True:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            extra = free - max(leave, 0)
+            if extra < gran:
+                break
+            size = min(extra - extra % gran, 8 << 30)
+            self.handles.append(check(drv.cuMemCreate(size, prop, 0)))
+
+    def release(self) -> None:
+        for handle in self.handles:
+            self.check(self.drv.cuMemRelease(handle))
+        self.handles.clear()

@@ -1,0 +1,350 @@
+"""The probe: can this rank's GPU hold the whole plan (plus headroom) right now?
+
+``CudaProber`` creates every held allocation of the plan with the same
+``CUmemAllocationProp`` FlashInfer uses (type, location, handle type,
+``gpuDirectRDMACapable``), holds them all at once with the headroom, and releases
+every one on every path. It never calls ``cuMulticastCreate``; granularity queries
+create nothing. ``SimulatedDevice`` stands in for a GPU on machines without one
+(per-rank free bytes); everything above the probe interface is the real code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, round_up
+
+MiB = 1 << 20
+
+# reason codes carried in the vote record (ints: the vote payload is a tensor)
+OK = 0
+OUT_OF_MEMORY = 1
+PROBE_ERROR = 2
+INTERNAL_ERROR = 3
+UNPLANNED = 4
+NO_DEVICE = 5
+ARG_MISMATCH = 6
+UNKNOWN_VERSION = 7
+
+REASON_TEXT = {
+    OK: "ok",
+    OUT_OF_MEMORY: "out of memory",
+    PROBE_ERROR: "probe failed",
+    INTERNAL_ERROR: "internal error",
+    UNPLANNED: "no allocation rule for this call",
+    NO_DEVICE: "no usable CUDA driver or device",
+    ARG_MISMATCH: "arguments disagree with the group",
+    UNKNOWN_VERSION: "FlashInfer release not mirrored",
+}
+
+IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
+
+
+@dataclasses.dataclass
+class ProbeResult:
+    ok: bool
+    reason: int = OK
+    device: int = -1
+    failed_name: str = ""
+    failed_bytes: int = 0
+    cuda_error: int = 0
+    cuda_error_name: str = ""
+    free_bytes: int = -1
+    total_bytes: int = -1
+    elapsed_s: float = 0.0
+    held_peak: int = 0  # bytes held at once at the end of the probe
+
+
+class ProbeUnavailable(RuntimeError):
+    """No driver, no bindings, no device: this rank cannot probe."""
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _driver():
+    """The cuda-python driver module: 13.x ``cuda.bindings.driver`` or 12.x ``cuda.cuda``."""
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6 / 13.x
+        return driver
+    except ImportError:
+        pass
+    try:
+        from cuda import cuda as driver  # cuda-python 12.x
+        return driver
+    except ImportError as exc:
+        raise ProbeUnavailable(f"cuda-python driver bindings not importable: {exc}") from None
+
+
+def _check(result):
+    """Unpack a cuda-python ``(err, *values)`` tuple; raise ``CudaError`` on failure."""
+    err = result[0]
+    if int(err) != 0:
+        raise CudaError(err)
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class CudaError(RuntimeError):
+    def __init__(self, err):
+        self.code = int(err)
+        self.name = getattr(err, "name", str(err))
+        super().__init__(self.name)
+
+
+class CudaProber:
+    """Real probe on the rank's GPU through the CUDA driver API."""
+
+    name = "cuda"
+
+    def __init__(self):
+        self._drv = None
+        self._lock = threading.Lock()
+
+    def _ready(self):
+        if self._drv is None:
+            drv = _driver()
+            try:
+                _check(drv.cuInit(0))
+            except CudaError as exc:
+                raise ProbeUnavailable(f"cuInit failed: {exc.name}") from None
+            except Exception as exc:  # library not found etc.
+                raise ProbeUnavailable(f"CUDA driver unavailable: {exc}") from None
+            self._drv = drv
+        return self._drv
+
+    def current_device(self) -> int:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            try:
+                return int(torch.cuda.current_device())
+            except Exception as exc:
+                raise ProbeUnavailable(f"torch.cuda.current_device() failed: {exc}") from None
+        raise ProbeUnavailable("torch is not imported")
+
+    def _prop(self, device: int, handle: Optional[str], rdma: bool):
+        drv = self._drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = drv.CUmemLocation()
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        types = drv.CUmemAllocationHandleType
+        if handle == "fabric":
+            prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_FABRIC
+        elif handle == "posix":
+            prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        else:
+            prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_NONE
+        if rdma:
+            prop.allocFlags.gpuDirectRDMACapable = 1
+        return prop
+
+    def _attr(self, name: str, device: int) -> int:
+        drv = self._drv
+        try:
+            return int(_check(drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)))
+        except Exception:
+            return 0
+
+    def facts(self, device: Optional[int], confidential_compute: bool, world_size: int) -> Facts:
+        drv = self._ready()
+        dev = self.current_device() if device is None else int(device)
+        prop = self._prop(dev, "posix", True)
+        gran = int(_check(drv.cuMemGetAllocationGranularity(
+            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+        mc_gran = DEFAULT_MC_GRANULARITY
+        multicast = bool(self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev))
+        if multicast:
+            try:  # a granularity query only: no multicast object is created
+                mc = drv.CUmulticastObjectProp()
+                mc.numDevices = max(int(world_size), 1)
+                mc.size = gran
+                mc.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                mc_gran = int(_check(drv.cuMulticastGetGranularity(
+                    mc, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)))
+            except Exception:
+                pass
+        count = int(_check(drv.cuDeviceGetCount()))
+        major = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR", dev)
+        minor = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR", dev)
+        return Facts(
+            granularity=gran or DEFAULT_GRANULARITY,
+            multicast_granularity=mc_gran,
+            fabric_supported=bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev)),
+            fabric_nvml_ok=False,
+            multicast_supported=multicast,
+            confidential_compute=confidential_compute,
+            current_device=dev,
+            device_count=count,
+            compute_capability=(major, minor),
+            **_extra_facts(),
+        )
+
+    def probe(self, plan: Plan, headroom_bytes: int, device: Optional[int] = None) -> ProbeResult:
+        drv = self._ready()
+        dev = plan.device if plan.device is not None else (
+            self.current_device() if device is None else device)
+        start = time.perf_counter()
+        result = ProbeResult(ok=False, device=dev)
+        cu_dev = _check(drv.cuDeviceGet(dev))
+        ctx = _check(drv.cuDevicePrimaryCtxRetain(cu_dev))
+        created = []  # (kind, handle)
+        pushed = False
+        try:
+            _check(drv.cuCtxPushCurrent(ctx))
+            pushed = True
+            free, total = _check(drv.cuMemGetInfo())
+            result.free_bytes, result.total_bytes = int(free), int(total)
+            rdma_c = bool(self._attr("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED", dev))
+            wanted = [(a.name, a.bytes, a.api, a.handle_type) for a in plan.probe_allocations]
+            if headroom_bytes > 0:
+                wanted.append(("headroom", headroom_bytes, "cuMemCreate", None))
+            held = 0
+            for name, size, api, handle in wanted:
+                try:
+                    if api == "cuMemCreate":
+                        rdma = plan.allocator.startswith("B") if name != "headroom" else False
+                        if plan.allocator == "C" and name != "headroom":
+                            rdma = rdma_c
+                        prop = self._prop(dev, handle, rdma)
+                        if name == "headroom":
+                            gran = int(_check(drv.cuMemGetAllocationGranularity(
+                                prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+                            size = round_up(size, gran)
+                        created.append(("mem", _check(drv.cuMemCreate(size, prop, 0))))
+                    else:  # cudaMalloc / cuMemAlloc / torch: a plain device allocation
+                        created.append(("ptr", _check(drv.cuMemAlloc(max(int(size), 1)))))
+                    held += size
+                except CudaError as exc:
+                    result.reason = OUT_OF_MEMORY if exc.code == 2 else PROBE_ERROR
+                    result.failed_name, result.failed_bytes = name, int(size)
+                    result.cuda_error, result.cuda_error_name = exc.code, exc.name
+                    return result
+            result.ok, result.held_peak = True, held
+            return result
+        finally:
+            errors = []
+            for kind, handle in reversed(created):
+                try:
+                    _check(drv.cuMemRelease(handle) if kind == "mem" else drv.cuMemFree(handle))
+                except Exception as exc:  # keep releasing the rest
+                    errors.append(exc)
+            if pushed:
+                try:
+                    _check(drv.cuCtxPopCurrent())
+                except Exception as exc:
+                    errors.append(exc)
+            try:
+                _check(drv.cuDevicePrimaryCtxRelease(cu_dev))
+            except Exception as exc:
+                errors.append(exc)
+            result.elapsed_s = time.perf_counter() - start
+            if errors:
+                from ._log import internal_error
+                internal_error("probe.release", errors[0])
+
+
+def _extra_facts() -> dict:
+    fields = {f.name for f in dataclasses.fields(Facts)}
+    extra = {}
+    if "imex_channel" in fields:
+        extra["imex_channel"] = os.path.exists(IMEX_CHANNEL)
+    return extra
+
+
+# --------------------------------------------------------------------------- simulated
+
+
+class SimulatedDevice:
+    """A stand-in GPU with a fixed number of free bytes, for machines without one.
+
+    Faults for tests and the demo: ``delay_s`` (a slow probe), ``error`` (an exception
+    raised by the probe), ``interrupt_after`` (KeyboardInterrupt after N allocations).
+    ``live_bytes`` is what is held right now; it must be 0 whenever no probe runs.
+    """
+
+    name = "simulated"
+
+    def __init__(self, free_bytes: int, *, total_bytes: Optional[int] = None,
+                 granularity: int = DEFAULT_GRANULARITY, device: int = 0,
+                 delay_s: float = 0.0, error: Optional[BaseException] = None,
+                 interrupt_after: Optional[int] = None, multicast: bool = True,
+                 fabric: bool = False):
+        self.free_bytes = int(free_bytes)
+        self.total_bytes = int(total_bytes if total_bytes is not None else max(free_bytes, 0) + (1 << 30))
+        self.granularity = granularity
+        self.device = device
+        self.delay_s = delay_s
+        self.error = error
+        self.interrupt_after = interrupt_after
+        self.multicast = multicast
+        self.fabric = fabric
+        self.live_bytes = 0
+        self.probes = 0
+        self.max_live_bytes = 0
+
+    def facts(self, device: Optional[int], confidential_compute: bool, world_size: int) -> Facts:
+        return Facts(granularity=self.granularity, multicast_supported=self.multicast,
+                     fabric_supported=self.fabric, confidential_compute=confidential_compute,
+                     current_device=self.device if device is None else device, device_count=8)
+
+    def probe(self, plan: Plan, headroom_bytes: int, device: Optional[int] = None) -> ProbeResult:
+        start = time.perf_counter()
+        self.probes += 1
+        dev = plan.device if plan.device is not None else self.device
+        result = ProbeResult(ok=False, device=dev, free_bytes=self.free_bytes,
+                             total_bytes=self.total_bytes)
+        wanted = [(a.name, a.bytes) for a in plan.probe_allocations]
+        if headroom_bytes > 0:
+            wanted.append(("headroom", round_up(headroom_bytes, self.granularity)))
+        held = []
+        try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            for index, (name, size) in enumerate(wanted):
+                if self.interrupt_after is not None and index >= self.interrupt_after:
+                    raise KeyboardInterrupt("simulated interrupt during the probe")
+                if self.error is not None and index == 1:
+                    raise self.error
+                if self.live_bytes + size > self.free_bytes:
+                    result.reason = OUT_OF_MEMORY
+                    result.failed_name, result.failed_bytes = name, size
+                    result.cuda_error, result.cuda_error_name = 2, "CUDA_ERROR_OUT_OF_MEMORY"
+                    return result
+                self.live_bytes += size
+                held.append(size)
+                self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
+            result.ok, result.held_peak = True, sum(held)
+            return result
+        finally:
+            for size in held:
+                self.live_bytes -= size
+            result.elapsed_s = time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- selection
+
+_prober = None
+_prober_lock = threading.Lock()
+
+
+def get_prober():
+    global _prober
+    with _prober_lock:
+        if _prober is None:
+            _prober = CudaProber()
+        return _prober
+
+
+def set_prober(prober) -> None:
+    """Replace the probe (tests, the demo without a GPU). ``None`` restores CUDA."""
+    global _prober
+    with _prober_lock:
+        _prober = prober

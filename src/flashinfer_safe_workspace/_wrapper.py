@@ -1,0 +1,98 @@
+"""The wrapper around FlashInfer's creation functions.
+
+It calls the original at most once, returns its result and lets its exceptions
+through untouched. Our own work is guarded: the only exception of ours that can
+reach the caller is ``WorkspaceVetoed`` (raise mode, or the legacy tuple API).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import sys
+import threading
+import time
+
+from . import _config, _decide
+from ._errors import WorkspaceVetoed
+from ._log import internal_error, logger, rank_tag
+
+# set while FlashInfer's own creation runs: the unified API calls the (wrapped) legacy
+# function internally, and that inner call must go straight through.
+_inside = contextvars.ContextVar("flashinfer_safe_workspace_inside", default=False)
+
+
+def make_wrapper(entry: str):
+    """A wrapt wrapper function for ``entry`` ("unified" or "legacy")."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if _inside.get():
+            return wrapped(*args, **kwargs)
+        with _decide._call_lock:
+            try:
+                settings = _config.current()
+                decision = _decide.decide(entry, wrapped, args, kwargs, settings)
+            except Exception as exc:  # a bug of ours: fail closed (or open) locally
+                internal_error("decide", exc)
+                settings = _config.current()
+                if settings.fail_open:
+                    decision = _decide.Decision("call", "internal error; fail-open")
+                else:
+                    decision = _decide.Decision("veto", "internal error", _decide.VetoInfo(
+                        f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}",
+                        (), ()))
+            if decision.action == "veto":
+                info = decision.veto
+                if entry == _decide.LEGACY or settings.on_veto == "raise":
+                    raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
+                return None
+            token = _inside.set(True)
+            try:
+                if settings.create_timeout > 0:
+                    with _Watchdog(settings, decision, entry):
+                        return wrapped(*args, **kwargs)
+                return wrapped(*args, **kwargs)
+            finally:
+                _inside.reset(token)
+
+    return wrapper
+
+
+class _Watchdog:
+    """Bounds FlashInfer's own creation call after a yes vote (CREATE_TIMEOUT)."""
+
+    def __init__(self, settings, decision, entry):
+        self.settings, self.decision, self.entry = settings, decision, entry
+        self.done = threading.Event()
+        self.start = 0.0
+
+    def __enter__(self):
+        self.start = time.monotonic()
+        threading.Thread(target=self._watch, name="fiws-watchdog", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        return False
+
+    def _watch(self):
+        if self.done.wait(self.settings.create_timeout):
+            return
+        try:
+            plan = self.decision.plan
+            what = (f"FlashInfer {self.entry} workspace creation (backend "
+                    f"{plan.backend if plan else '?'}, plan {plan.peak_bytes if plan else -1} "
+                    f"bytes) still running after {time.monotonic() - self.start:.1f} s; ranks "
+                    f"that voted yes: {list(self.decision.voted)}. It is probably waiting in a "
+                    "collective for a peer that failed after the vote.")
+            if self.settings.on_hang == "abort":
+                msg = f"flashinfer_safe_workspace {rank_tag()}: {what} Aborting (ON_HANG=abort).\n"
+                logger.critical(msg.strip())
+                try:
+                    sys.stderr.write(msg)
+                    sys.stderr.flush()
+                finally:
+                    os._exit(70)
+            logger.error("flashinfer_safe_workspace %s: %s", rank_tag(), what)
+        except Exception as exc:  # never let the watchdog thread crash loudly
+            internal_error("watchdog", exc)
