@@ -60,6 +60,10 @@ class Facts:
     device_count: int = 1
     torch_signal_pad: int = 2048  # torch symmetric memory signal pad (allocator C)
     compute_capability: tuple = (9, 0)
+    # An IMEX channel is usable, so FABRIC handles can be exported. Without one,
+    # 0.7.4 retries each FABRIC allocation with POSIX fds (a transient FABRIC
+    # cuMemCreate of the same size) and 0.6.x–0.7.2 fail at the export.
+    imex_channel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,20 @@
 """Per-release allocation rules of FlashInfer's all-reduce fusion workspaces.
 
 Each FlashInfer release belongs to one range (R0–R10, named as in the project's
-reference notes). A range fixes: the buffer-size formulas, the allocator of each
-entry point (A: cudaMalloc+IPC, B1–B4: SymmDeviceMemory, C: torch symmetric memory,
-D: mnnvl-cutedsl symmetric buffers), their rounding, the handle type and the device.
+reference notes, /work/shared/reference/flashinfer-allocations.md). A range fixes:
+the buffer-size formulas, the allocator of each entry point (A: cudaMalloc+IPC,
+B1–B4: SymmDeviceMemory, C: torch symmetric memory, D: mnnvl-cutedsl symmetric
+buffers), their rounding, the handle type and the device.
+
+Pure Python on purpose (no torch, no CUDA): plans are cheap to compute and to fuzz.
+The formulas here are written from the reference's formulas, not copied code; the
+conformance test (tests/test_conformance.py) runs FlashInfer's real creation code
+against recording stand-ins and compares what it asks for with these plans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Optional, Union
 
@@ -27,6 +34,10 @@ SIGNAL_PAD = 2048  # flashinfer.comm.mnnvl SIGNAL_PAD_SIZE, every release
 BARRIER_FLAG_COUNT = 256
 MAX_COMM_SIZE = 2147483647 & ~((1 << 21) - 1)  # INT32_MAX rounded down to 2 MiB
 MNNVL_ONE_SHOT_THRESHOLD = 64 * 1024 * 8 * 2
+MNNVL_MAX_BUFFER = 2**32 - 1  # UINT32_MAX: larger mnnvl buffers are a ValueError
+LAMPORT_BUFFERS = 3
+A_ROUNDING = 2 * MiB  # trtllm buffers before SymmDeviceMemory/cudaMalloc, 0.5.0–0.6.9
+CUTEDSL_TP_SIZES = (2, 4, 8, 16)
 
 NEWEST = (0, 7, 4, 0)
 
@@ -46,6 +57,16 @@ RANGES = (
     ((0, 7, 4, 0), "R10"),
 )
 
+# Element sizes beyond _plan.ELEMENT_SIZE (torch dtype names without "torch.").
+_MORE_ELEMENT_SIZES = {
+    "float64": 8, "int64": 8, "uint64": 8, "complex64": 8,
+    "int32": 4, "uint32": 4,
+    "int16": 2, "uint16": 2,
+    "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
 _VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?post(\d+))?")
 
 
@@ -59,6 +80,9 @@ def parse_version(text: str) -> tuple:
 
 
 def range_of(version: str) -> str:
+    """The range label (``"R0"`` … ``"R10"``) whose rules apply to ``version``.
+
+    Releases newer than the newest one read use the newest rules (see is_unknown)."""
     key = parse_version(version)
     if key < RANGES[0][0]:
         raise Unplanned(f"FlashInfer {version} is older than 0.5.0; no rules")
@@ -70,67 +94,295 @@ def range_of(version: str) -> str:
 
 
 def is_unknown(version: str) -> bool:
-    """Newer than the newest release whose rules were read."""
+    """Newer than the newest release whose rules were read (its plan uses R10's rules)."""
     return parse_version(version)[:3] > NEWEST[:3]
 
 
 def element_size(dtype: Optional[str]) -> int:
     if dtype is None:
         return 4  # torch's default dtype, float32
-    try:
-        return ELEMENT_SIZE[dtype]
-    except KeyError:
-        raise Unplanned(f"no element size known for dtype {dtype}") from None
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    size = ELEMENT_SIZE.get(name) or _MORE_ELEMENT_SIZES.get(name)
+    if size is None:
+        raise Unplanned(f"no element size known for dtype {dtype}")
+    return size
 
 
 def _rank_index(label: str) -> int:
     return int(label[1:])
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- per range
 
 
-def _b_handle_type(label: str, facts: Facts) -> str:
-    if label == "R10":  # B4: FABRIC iff every rank's driver attribute says so (one host)
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What differs between ranges, as data."""
+
+    label: str
+    unified: bool  # create_allreduce_fusion_workspace exists (0.6.0+)
+    auto_vote: bool  # auto = group multicast vote (0.6.16+); before: always mnnvl
+    confidential_compute: bool  # is_confidential_compute() is consulted (0.6.16+)
+    trtllm: str  # allocator of the unified trtllm workspace (non-CC)
+    legacy_default: str  # allocator of the legacy function with use_symm_dev_mem=False
+    legacy_symm: Optional[str]  # ... with use_symm_dev_mem=True (None: no such parameter)
+    mnnvl: str  # allocator of the mnnvl workspace
+    trtllm_device_is_rank: bool  # 0.6.0–0.6.6: trtllm SymmDeviceMemory on cuda:tp_rank
+    mnnvl_device_is_local_rank: bool  # 0.6.0–0.6.6: mnnvl on rank % gpus_per_node
+    wide_fp32_buffer: bool  # 0.7.2+: trtllm buffer B uses 4-byte elements for fp32
+    mnnvl_round32: bool  # 0.6.18+: mnnvl per-buffer size rounded up to 32 bytes
+    cutedsl_factory: bool  # "mnnvl-cutedsl" accepted by the factory (0.7.2.post1+)
+
+
+def _traits(label: str) -> Traits:
+    r = _rank_index(label)
+    b = {5: "B2", 10: "B4"}.get(r, "B3" if r >= 6 else "B1")
+    symm_alloc = "C" if r in (3, 4) else b
+    return Traits(
+        label=label,
+        unified=r >= 1,
+        auto_vote=r >= 6,
+        confidential_compute=r >= 6,
+        trtllm=symm_alloc,
+        legacy_default="A" if r <= 2 else "C",
+        legacy_symm=None if r == 0 else symm_alloc,
+        mnnvl=symm_alloc,
+        trtllm_device_is_rank=r == 1,
+        mnnvl_device_is_local_rank=r == 1,
+        wide_fp32_buffer=r >= 8,
+        mnnvl_round32=r >= 7,
+        cutedsl_factory=r >= 9,
+    )
+
+
+def traits(version: str) -> Traits:
+    """The per-range traits of ``version`` (for callers and tests)."""
+    return _traits(range_of(version))
+
+
+# --------------------------------------------------------------------------- allocators
+
+
+def _b_handle_type(allocator: str, facts: Facts) -> str:
+    """Handle type SymmDeviceMemory asks for first."""
+    if allocator == "B4":
+        # 0.7.4 votes: on one host FABRIC iff every rank's driver attribute says so.
         return "fabric" if facts.fabric_supported else "posix"
-    # B1–B3: local decision, FABRIC needs the NVML fabric state too
+    # B1–B3 decide locally and also need the NVML fabric state (is_mnnvl_fabric_supported)
     return "fabric" if (facts.fabric_supported and facts.fabric_nvml_ok) else "posix"
 
 
-def _b_alloc(label: str, name: str, buf: int, facts: Facts, multicast: bool,
-             handle: str, formula: str, fabric_fallback: bool) -> list:
-    """cuMemCreate(s) of one SymmDeviceMemory of ``buf`` bytes."""
-    size = round_up(buf + SIGNAL_PAD, facts.granularity)
-    text = f"RU({formula} + 2048, G={facts.granularity})"
-    r = _rank_index(label)
-    if (r <= 4) or multicast:  # B1 applies Gmc always; B2+ only with multicast
-        size = round_up(size, facts.multicast_granularity)
-        text = f"RU({text}, Gmc={facts.multicast_granularity})"
+def _b_alloc(allocator: str, name: str, buf: int, buf_formula: str, facts: Facts,
+             multicast: bool) -> tuple:
+    """The cuMemCreate(s) of one SymmDeviceMemory of ``buf`` bytes.
+
+    Returns (allocations, handle type held, notes)."""
+    g, gmc = facts.granularity, facts.multicast_granularity
+    size = round_up(buf + SIGNAL_PAD, g)
+    text = f"RU({buf_formula} + 2048, G={g})"
+    if allocator == "B1" or multicast:  # B1 applies Gmc always; B2+ only with multicast
+        size = round_up(size, gmc)
+        text = f"RU({text}, Gmc={gmc})"
+    handle = _b_handle_type(allocator, facts)
+    notes = []
     out = []
-    if handle == "fabric" and fabric_fallback:
-        # B4 on one host: FABRIC first; without an IMEX channel its export fails, it is
-        # released, and the same size is created again with POSIX fds.
-        out.append(Allocation(name, size, "cuMemCreate", "fabric", held=False,
-                              formula=text + " (FABRIC attempt, released)"))
-        out.append(Allocation(name, size, "cuMemCreate", "posix", True, text))
-    else:
-        out.append(Allocation(name, size, "cuMemCreate", handle, True, text))
-    return out
+    if handle == "fabric" and not facts.imex_channel:
+        if allocator == "B4":
+            # One host: the FABRIC allocation is created, its export fails without an
+            # IMEX channel, every rank releases it, and the same size is created again
+            # with POSIX file descriptors.
+            out.append(Allocation(name, size, "cuMemCreate", "fabric", held=False,
+                                  formula=text + " (FABRIC attempt, released)"))
+            handle = "posix"
+            notes.append("FABRIC attempted first; no IMEX channel, so each buffer is "
+                         "created again with POSIX fds (same size)")
+        else:
+            notes.append("FABRIC handles without an IMEX channel: FlashInfer's export "
+                         "fails after the first cuMemCreate (RuntimeError on every rank)")
+    out.append(Allocation(name, size, "cuMemCreate", handle, True, text))
+    return out, handle, notes
 
 
-def _trtllm_sizes(label: str, req: Request, fp32: bool) -> list:
-    ws, t, h = req.world_size, req.max_token_num, req.hidden_dim
-    wide = 4 if fp32 else 2
-    b_elem = wide if _rank_index(label) >= 8 else 2
-    buffer_size = ws * t * h * b_elem
-    flag_size = ws * BARRIER_FLAG_COUNT * 4
-    lamport_comm = min(ws * t * h * wide, MAX_COMM_SIZE)
-    clamp = " clamped to MAX_COMM_SIZE" if ws * t * h * wide > MAX_COMM_SIZE else ""
+def _c_alloc(name: str, request: int, req_formula: str, facts: Facts, ws: int) -> list:
+    """torch symmetric memory: one cuMemCreate block, then the rendezvous' two
+    pointer arrays from the caching allocator."""
+    block = round_up(round_up(request, 16) + facts.torch_signal_pad, facts.granularity)
     return [
-        ("trtllm.buffer", buffer_size, f"ws*T*H*{b_elem}"),
-        ("trtllm.flag", flag_size, "ws*256*4"),
-        ("trtllm.lamport", 3 * lamport_comm, f"3*min(ws*T*H*{wide}, MAX_COMM_SIZE){clamp}"),
+        Allocation(name, block, "cuMemCreate", "posix", True,
+                   f"RU(RU({req_formula}, 16) + P_t={facts.torch_signal_pad}, "
+                   f"G={facts.granularity})"),
+        Allocation(name + ".buffer_ptrs", 8 * ws, "torch", formula="raw_alloc(8*ws)"),
+        Allocation(name + ".signal_pad_ptrs", 8 * ws, "torch", formula="raw_alloc(8*ws)"),
     ]
+
+
+# --------------------------------------------------------------------------- trtllm
+
+
+def _trtllm_sizes(t: Traits, req: Request, fp32: bool) -> list:
+    ws, tokens, h = req.world_size, req.max_token_num, req.hidden_dim
+    wide = 4 if fp32 else 2
+    b_elem = wide if t.wide_fp32_buffer else 2
+    lamport = ws * tokens * h * wide
+    clamp = " clamped to MAX_COMM_SIZE" if lamport > MAX_COMM_SIZE else ""
+    return [
+        ("trtllm.buffer", ws * tokens * h * b_elem, f"ws*T*H*{b_elem}"),
+        ("trtllm.flag", ws * BARRIER_FLAG_COUNT * 4, "ws*256*4"),
+        ("trtllm.lamport", 3 * min(lamport, MAX_COMM_SIZE),
+         f"3*min(ws*T*H*{wide}, MAX_COMM_SIZE){clamp}"),
+    ]
+
+
+def _trtllm_workspace(t: Traits, req: Request, facts: Facts, version: str,
+                      allocator: str, entry: str) -> Union[Plan, PassThrough]:
+    fp32 = req.use_fp32_lamport if entry == "legacy" else req.dtype == "float32"
+    ws = req.world_size
+    device = req.rank if (allocator == "B1" and t.trtllm_device_is_rank) else None
+    if allocator == "B1" and not facts.multicast_supported:
+        # B1 checks MULTICAST_SUPPORTED even without multicast, before any collective
+        return PassThrough("SymmDeviceMemory (0.6.0–0.6.14) needs a multicast-capable "
+                           "device; FlashInfer raises RuntimeError")
+    allocations: list = []
+    notes: list = []
+    handle: Optional[str] = None
+    for name, size, formula in _trtllm_sizes(t, req, fp32):
+        if allocator in ("A", "B1"):
+            pre, pre_text = round_up(size, A_ROUNDING), f"RU({formula}, 2MiB)"
+        else:
+            pre, pre_text = round_up(size, 16), f"RU({formula}, 16)"
+        if allocator == "A":
+            allocations.append(Allocation(name, pre, "cudaMalloc", None, True, pre_text))
+            handle = None
+        elif allocator == "C":
+            allocations += _c_alloc(name, pre, pre_text, facts, ws)
+            handle = "posix"
+        else:
+            allocs, handle, more = _b_alloc(allocator, name, pre, pre_text, facts, False)
+            allocations += allocs
+            notes += [n for n in more if n not in notes]
+            allocations.append(Allocation(name + ".uc_ptrs", 8 * ws, "cuMemAlloc",
+                                          formula="8*ws"))
+    allocations.append(Allocation("control_flag", 20, "cudaMalloc", formula="5*int32"))
+    allocations.append(Allocation("workspace_table", (3 * ws + 1) * 8, "torch",
+                                  formula="int64[3*ws+1]"))
+    if device is not None and device >= facts.device_count:
+        notes.append(f"allocates on cuda:{device} (tp_rank) but this process sees "
+                     f"{facts.device_count} device(s): cuDeviceGet fails on this rank")
+    return Plan(version, t.label, entry, "trtllm", allocator, handle, device,
+                tuple(allocations), ws, req.dtype, tuple(notes))
+
+
+# --------------------------------------------------------------------------- mnnvl
+
+
+def _mnnvl_buffer(t: Traits, req: Request) -> tuple:
+    """One Lamport buffer's bytes (FlashInfer allocates three of them at once)."""
+    ws, tokens, h = req.world_size, req.max_token_num, req.hidden_dim
+    e = element_size(req.dtype)
+    if req.force_oneshot_support:
+        buf, formula = tokens * h * ws * e, "T*H*ws*e"
+    else:
+        t1 = min(MNNVL_ONE_SHOT_THRESHOLD // (ws * e * h), tokens)
+        oneshot = t1 * h * ws * e
+        twoshot = 2 * (-(-tokens // ws)) * ws * h * e
+        buf, formula = max(oneshot, twoshot), "max(t1*H*ws*e, 2*ceil(T/ws)*ws*H*e)"
+    if t.mnnvl_round32:
+        buf, formula = round_up(buf, 32), f"RU({formula}, 32)"
+    return buf, formula
+
+
+def _mnnvl_workspace(t: Traits, req: Request, facts: Facts,
+                     version: str) -> Union[Plan, PassThrough]:
+    ws = req.world_size
+    buf, formula = _mnnvl_buffer(t, req)
+    if buf > MNNVL_MAX_BUFFER:
+        return PassThrough("mnnvl buffer larger than UINT32_MAX; FlashInfer raises ValueError")
+    allocator = t.mnnvl
+    notes: list = []
+    device = None
+    if t.mnnvl_device_is_local_rank:
+        gpn = req.gpus_per_node
+        if gpn is None:
+            gpn = min(facts.device_count, ws)
+        if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn <= 0:
+            return PassThrough(f"gpus_per_node={gpn!r}; FlashInfer decides")
+        device = req.rank % gpn
+    if allocator == "C":
+        # One float32 tensor: numel = bytes // 4, so the request drops to a multiple of 4.
+        request = (3 * buf) // 4 * 4
+        allocations = _c_alloc("mnnvl.buffer", request, f"floor(3*{formula}/4)*4", facts, ws)
+        handle = "posix"
+        if not facts.multicast_supported:
+            notes.append("no multicast: torch leaves the multicast pointer 0 and "
+                         "FlashInfer still returns the workspace")
+    else:
+        if not facts.multicast_supported:
+            return PassThrough("mnnvl needs NVLink multicast; FlashInfer raises "
+                               "RuntimeError before allocating")
+        allocations, handle, notes = _b_alloc(allocator, "mnnvl.buffer", 3 * buf,
+                                              f"3*{formula}", facts, True)
+        allocations.append(Allocation("mnnvl.signal_pads", 8 * ws, "cuMemAlloc",
+                                      formula="8*ws"))
+        allocations.append(Allocation("mnnvl.uc_ptrs", 8 * ws, "cuMemAlloc",
+                                      formula="8*ws"))
+    allocations.append(Allocation("mnnvl.buffer_flags", 36, "torch", formula="uint32[9]"))
+    return Plan(version, t.label, "unified", "mnnvl", allocator, handle, device,
+                tuple(allocations), ws, req.dtype, tuple(notes))
+
+
+# --------------------------------------------------------------------------- mnnvl-cutedsl
+
+
+def _cutedsl(t: Traits, req: Request, facts: Facts) -> PassThrough:
+    """mnnvl-cutedsl: FlashInfer's own argument checks, all before any allocation.
+
+    What passes them is not planned (raises Unplanned): allocator D's buffer shapes
+    come from FlashInfer's profile table (capacities per LL/BT/HT protocol and their
+    tunings), which this pure-Python module does not carry."""
+    ignored = [name for name, given in (("gpus_per_node", req.gpus_per_node is not None),
+                                        ("comm_backend", req.has_comm_backend),
+                                        ("force_oneshot_support", req.force_oneshot_support))
+               if given]
+    if ignored:
+        return PassThrough("backend='mnnvl-cutedsl' does not use: " + ", ".join(ignored)
+                           + " (FlashInfer ValueError)")
+    options = dict(req.cutedsl_options)
+
+    def flag(name: str, default: bool) -> bool:
+        text = options.get(name)
+        return default if text is None else text == "True"
+
+    output = options.get("output_dtype", "torch.bfloat16")
+    apply_norm = flag("apply_rms_norm", True)
+    if req.world_size not in CUTEDSL_TP_SIZES:
+        return PassThrough("mnnvl-cutedsl needs tp_size 2, 4, 8 or 16 (FlashInfer ValueError)")
+    if not apply_norm and not flag("write_residual_output", True):
+        return PassThrough("mnnvl-cutedsl without the norm needs write_residual_output "
+                           "(FlashInfer ValueError)")
+    if req.dtype != "bfloat16":
+        return PassThrough("mnnvl-cutedsl supports bfloat16 only (FlashInfer ValueError)")
+    if output not in ("torch.bfloat16", "torch.float8_e4m3fn"):
+        return PassThrough("mnnvl-cutedsl output_dtype must be bfloat16 or float8_e4m3fn "
+                           "(FlashInfer ValueError)")
+    fp8 = output == "torch.float8_e4m3fn"
+    if (not apply_norm and fp8) or (flag("write_norm_output", False) and not fp8) \
+            or (flag("dynamic_fp8", False) and not fp8):
+        return PassThrough("inconsistent mnnvl-cutedsl output options (FlashInfer ValueError)")
+    rank = req.rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < req.world_size:
+        return PassThrough("mnnvl-cutedsl tp_rank out of range (FlashInfer ValueError)")
+    if tuple(facts.compute_capability)[:1] < (10,):
+        return PassThrough("mnnvl-cutedsl needs a Blackwell GPU (FlashInfer RuntimeError)")
+    if not facts.multicast_supported:
+        return PassThrough("mnnvl-cutedsl needs NVLink multicast (FlashInfer RuntimeError)")
+    raise Unplanned("mnnvl-cutedsl (allocator D) is not planned: its symmetric buffers "
+                    "follow FlashInfer's per-profile LL/BT/HT capacities, which these "
+                    "rules do not model")
+
+
+# --------------------------------------------------------------------------- entry
 
 
 def _check_ints(req: Request, *names: str) -> Optional[PassThrough]:
@@ -143,126 +395,68 @@ def _check_ints(req: Request, *names: str) -> Optional[PassThrough]:
     return None
 
 
-def _c_block(size: int, facts: Facts) -> int:
-    """torch symmetric memory block for ``size`` bytes (allocator C)."""
-    return round_up(round_up(size, 16) + facts.torch_signal_pad, facts.granularity)
-
-
-def _trtllm_workspace(label: str, req: Request, facts: Facts, version: str,
-                      use_symm: bool, entry: str, backend: str) -> Plan:
-    fp32 = req.use_fp32_lamport if entry == "legacy" else req.dtype == "float32"
-    ws = req.world_size
-    allocations: list = []
-    r = _rank_index(label)
-    notes = []
-    if use_symm and r >= 5:
-        allocator = {5: "B2", 10: "B4"}.get(r, "B3")
-        handle = _b_handle_type(label, facts)
-        for name, size, formula in _trtllm_sizes(label, req, fp32):
-            allocations += _b_alloc(label, name, round_up(size, 16), facts, False, handle,
-                                    f"RU({formula}, 16)", fabric_fallback=(r == 10))
-            allocations.append(Allocation(name + ".uc_ptrs", 8 * ws, "cuMemAlloc",
-                                          formula="8*ws"))
-        device = None
-        if handle == "fabric" and r == 10:
-            notes.append("FABRIC attempted first; falls back to POSIX fds with the same sizes")
-            handle = "posix"
-    elif not use_symm and r >= 3:
-        allocator = "C"
-        handle = "posix"
-        for name, size, formula in _trtllm_sizes(label, req, fp32):
-            block = _c_block(size, facts)
-            allocations.append(Allocation(
-                name, block, "cuMemCreate", handle, True,
-                f"RU(RU({formula}, 16) + P_t={facts.torch_signal_pad}, G={facts.granularity})"))
-            allocations.append(Allocation(name + ".ptr_arrays", 2 * 8 * ws, "torch",
-                                          formula="2*raw_alloc(8*ws)"))
-        device = None
-    else:
-        raise Unplanned(f"trtllm workspace rules for {label} are not implemented")
-    allocations.append(Allocation("control_flag", 20, "cudaMalloc", formula="5*int32"))
-    allocations.append(Allocation("workspace_table", (3 * ws + 1) * 8, "torch",
-                                  formula="int64[3*ws+1]"))
-    return Plan(version, label, entry, backend, allocator, handle, device,
-                tuple(allocations), ws, req.dtype, tuple(notes))
-
-
-def _mnnvl_workspace(label: str, req: Request, facts: Facts, version: str) -> Union[Plan, PassThrough]:
-    r = _rank_index(label)
-    if r < 5:
-        raise Unplanned(f"mnnvl workspace rules for {label} are not implemented")
-    ws, t, h = req.world_size, req.max_token_num, req.hidden_dim
-    e = element_size(req.dtype)
-    if req.force_oneshot_support:
-        buf = t * h * ws * e
-        formula = "T*H*ws*e"
-    else:
-        t1 = min(MNNVL_ONE_SHOT_THRESHOLD // (ws * e * h), t)
-        buf = max(t1 * h * ws * e, 2 * (-(-t // ws)) * ws * h * e)
-        formula = "max(ONESHOT(t1), TWOSHOT(T))"
-    if r >= 7:
-        buf = round_up(buf, 32)
-        formula = f"RU({formula}, 32)"
-    if buf > 2**32 - 1:
-        return PassThrough("mnnvl buffer larger than UINT32_MAX; FlashInfer raises ValueError")
-    allocator = {5: "B2", 10: "B4"}.get(r, "B3")
-    handle = _b_handle_type(label, facts)
-    allocations = _b_alloc(label, "mnnvl.buffer", 3 * buf, facts, True, handle,
-                           f"3*{formula}", fabric_fallback=(r == 10))
-    allocations.append(Allocation("mnnvl.signal_pads", 8 * ws, "cuMemAlloc", formula="8*ws"))
-    allocations.append(Allocation("mnnvl.uc_ptrs", 8 * ws, "cuMemAlloc", formula="8*ws"))
-    allocations.append(Allocation("mnnvl.buffer_flags", 36, "torch", formula="uint32[9]"))
-    if handle == "fabric" and r == 10:
-        handle = "posix"
-    return Plan(version, label, "unified", "mnnvl", allocator, handle, None,
-                tuple(allocations), ws, req.dtype)
-
-
-# --------------------------------------------------------------------------- entry
+def _resolve_auto(t: Traits, req: Request, facts: Facts) -> Union[str, PassThrough]:
+    if not t.auto_vote:
+        return "mnnvl"  # 0.6.0–0.6.15: mnnvl is always "suitable" and preferred
+    mc = facts.multicast_all_ranks
+    if mc is None or req.world_size <= 1:
+        mc = facts.multicast_supported
+    if mc:
+        return "mnnvl"
+    if req.world_size <= 16:
+        return "trtllm"
+    return PassThrough("no suitable backend (FlashInfer ValueError)")
 
 
 def plan(req: Request, facts: Facts, version: str) -> Union[Plan, PassThrough]:
-    label = range_of(version)
-    r = _rank_index(label)
+    """The plan of ``req`` under FlashInfer ``version`` (see _plan.make_plan)."""
+    t = _traits(range_of(version))
+    if req.entry == "legacy":
+        if t.legacy_symm is None and (req.use_symm_dev_mem or req.has_comm_backend):
+            return PassThrough("0.5.x has no use_symm_dev_mem/comm_backend parameter "
+                               "(FlashInfer TypeError)")
+        if req.use_symm_dev_mem and not req.create_metadata:
+            return PassThrough("use_symm_dev_mem needs create_metadata=True (FlashInfer ValueError)")
+        bad = _check_ints(req, "world_size", "max_token_num", "hidden_dim")
+        if bad is not None:
+            return bad
+        allocator = t.legacy_symm if req.use_symm_dev_mem else t.legacy_default
+        return _trtllm_workspace(t, req, facts, version, allocator, "legacy")
+    if req.entry != "unified":
+        raise Unplanned(f"unknown entry {req.entry!r}")
+    if not t.unified:
+        return PassThrough("this release has no create_allreduce_fusion_workspace")
+
+    backend = req.backend
+    if req.cutedsl_options and not t.cutedsl_factory:
+        return PassThrough("keyword-only mnnvl-cutedsl options do not exist in this "
+                           "release (FlashInfer TypeError)")
+    if backend == "mnnvl-cutedsl" and t.cutedsl_factory:
+        bad = _check_ints(req, "world_size", "max_token_num", "hidden_dim")
+        if bad is not None:
+            return bad
+        return _cutedsl(t, req, facts)
+    if t.cutedsl_factory and req.cutedsl_options:
+        return PassThrough("mnnvl-cutedsl options given to another backend (FlashInfer ValueError)")
+    if backend not in ("trtllm", "mnnvl", "auto"):
+        return PassThrough(f"unknown backend {backend!r}; FlashInfer raises RuntimeError")
     bad = _check_ints(req, "world_size", "max_token_num", "hidden_dim")
     if bad is not None:
         return bad
-    if req.entry == "legacy":
-        if req.use_symm_dev_mem and not req.create_metadata:
-            return PassThrough("use_symm_dev_mem needs create_metadata=True (FlashInfer ValueError)")
-        use_symm = req.use_symm_dev_mem and r >= 5  # R3–R4 ignore the flag (C either way)
-        return _trtllm_workspace(label, req, facts, version, use_symm, "legacy", "trtllm")
-
-    backend = req.backend
-    if backend not in ("trtllm", "mnnvl", "auto", "mnnvl-cutedsl"):
-        return PassThrough(f"unknown backend {backend!r}; FlashInfer raises its own error")
-    if backend == "mnnvl-cutedsl" and r < 9:
-        return PassThrough("backend 'mnnvl-cutedsl' is not accepted by this release")
-    if r >= 9 and req.cutedsl_options and backend != "mnnvl-cutedsl":
-        return PassThrough("mnnvl-cutedsl options given to another backend (FlashInfer ValueError)")
-    if backend == "mnnvl-cutedsl":
-        raise Unplanned("mnnvl-cutedsl rules are not implemented")
     if backend == "auto":
-        if r <= 5:
-            backend = "mnnvl"
-        else:
-            mc = facts.multicast_all_ranks
-            if mc is None:
-                mc = facts.multicast_supported
-            if mc:
-                backend = "mnnvl"
-            elif req.world_size <= 16:
-                backend = "trtllm"
-            else:
-                return PassThrough("no suitable backend (FlashInfer ValueError)")
+        resolved = _resolve_auto(t, req, facts)
+        if isinstance(resolved, PassThrough):
+            return resolved
+        backend = resolved
+    cc = t.confidential_compute and facts.confidential_compute
     if backend == "trtllm":
-        use_symm = not (facts.confidential_compute and r >= 6)
-        return _trtllm_workspace(label, req, facts, version, use_symm, "unified", "trtllm")
-    if r >= 6 and facts.confidential_compute:
+        allocator = "C" if cc else t.trtllm  # CC: use_symm_dev_mem=False, i.e. C
+        return _trtllm_workspace(t, req, facts, version, allocator, "unified")
+    if cc:
         return PassThrough("mnnvl under confidential compute (FlashInfer ValueError)")
-    return _mnnvl_workspace(label, req, facts, version)
+    return _mnnvl_workspace(t, req, facts, version)
 
 
 def needs_group_multicast_vote(req: Request, version: str) -> bool:
     """Whether ``auto`` is resolved by a group-wide multicast vote in this release."""
-    return req.entry == "unified" and req.backend == "auto" and _rank_index(range_of(version)) >= 6
+    return req.entry == "unified" and req.backend == "auto" and _traits(range_of(version)).auto_vote
