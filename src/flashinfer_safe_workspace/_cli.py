@@ -60,6 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-multicast", action="store_true",
                       help="a GPU without multicast (decides backend=auto from 0.6.16)")
     plan.add_argument("--json", action="store_true")
+
+    doctor = sub.add_parser("doctor", help="is the shim active in this interpreter, and why "
+                            "(exit 0 active, 1 not)")
+    doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--no-import", action="store_true",
+                        help="do not import flashinfer.comm (then nothing shows as wrapped)")
+
+    check = sub.add_parser("check", help="does this workspace fit on this GPU now? "
+                           "(exit 0 fits, 1 does not, 2 cannot tell)")
+    _add_shape(check, need_rank=True)
+    check.add_argument("--headroom-mb", type=int, default=None,
+                       help="default: FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB (512)")
+    check.add_argument("--device", type=int, default=0, help="CUDA ordinal to probe")
+    check.add_argument("--flashinfer-version", default=None,
+                       help="default: the installed FlashInfer")
+    check.add_argument("--json", action="store_true")
+    # tests and CPU-only demos: a simulated GPU with this many free MiB
+    check.add_argument("--simulate-free-mb", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -119,6 +137,12 @@ def main(argv=None) -> int:
         return _demo.rank_main(args)
     if args.command == "plan":
         return cmd_plan(args)
+    if args.command == "doctor":
+        from . import _doctor
+        return _doctor.run_doctor(args)
+    if args.command == "check":
+        from . import _doctor
+        return _doctor.run_check(args)
     return 2
 
 

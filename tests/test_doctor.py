@@ -1,0 +1,165 @@
+"""``python -m flashinfer_safe_workspace doctor``: real interpreters, real .pth, real hooks.
+
+Every case runs the installed package in a fresh subprocess (the answer depends on
+how the interpreter started), bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from flashinfer_safe_workspace import _doctor, _releases
+
+TIMEOUT = 120
+VAR = "FLASHINFER_SAFE_WORKSPACE"
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(VAR)}
+    env.update(extra)
+    return env
+
+
+def doctor(*args, **env):
+    proc = subprocess.run([sys.executable, "-m", "flashinfer_safe_workspace", "doctor", *args],
+                          env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT)
+    return proc
+
+
+def doctor_json(*args, **env):
+    proc = doctor("--json", *args, **env)
+    assert proc.stdout.strip(), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_unset_is_inactive_exit_1():
+    rc, r = doctor_json()
+    assert rc == 1
+    assert r["active"] is False
+    assert r["variable"] == {"name": VAR, "value": None, "enabled": False}
+    assert r["flashinfer"]["imported"] is True
+    assert r["flashinfer"]["wrapped"] == []  # imported, but nothing hooked
+    assert r["hooks_registered"] is False
+    assert r["wrapt"]["imported"] is False  # the dormant shim never loads wrapt
+    assert any("not set" in line for line in r["why"])
+
+
+def test_enabled_is_active_and_wraps_both_targets():
+    rc, r = doctor_json(**{VAR: "1"})
+    assert rc == 0
+    assert r["active"] is True and r["hooks_registered"] is True
+    assert r["variable"]["value"] == "1" and r["variable"]["enabled"] is True
+    wrapped = set(r["flashinfer"]["wrapped"])
+    for name in ("flashinfer.comm.create_allreduce_fusion_workspace",
+                 "flashinfer.comm.trtllm_create_ipc_workspace_for_all_reduce_fusion",
+                 "flashinfer.comm.allreduce.create_allreduce_fusion_workspace",
+                 "flashinfer.comm.trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion"):
+        assert name in wrapped
+    assert r["wrapt"]["imported"] is True
+
+
+def test_text_output_names_the_wrapped_functions():
+    proc = doctor(**{VAR: "yes"})
+    assert proc.returncode == 0, proc.stderr
+    assert "active in this interpreter: yes" in proc.stdout
+    assert "flashinfer.comm.create_allreduce_fusion_workspace" in proc.stdout
+    assert f"{VAR}: 'yes' -> enabled=True" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "off", "  "])
+def test_off_values_are_inactive(value):
+    rc, r = doctor_json(**{VAR: value})
+    assert rc == 1
+    assert r["active"] is False and r["variable"]["enabled"] is False
+
+
+def test_garbage_value_warns_and_stays_off():
+    proc = doctor("--json", **{VAR: "maybe"})
+    assert proc.returncode == 1
+    r = json.loads(proc.stdout)
+    assert r["variable"]["value"] == "maybe" and r["active"] is False
+    assert any("does not turn the shim on" in line for line in r["why"])
+
+
+def test_no_import_reports_nothing_wrapped():
+    rc, r = doctor_json("--no-import", **{VAR: "1"})
+    assert rc == 0  # the hooks are registered: active
+    assert r["flashinfer"]["imported"] is False
+    assert r["flashinfer"]["wrapped"] == []
+
+
+def test_versions_match_the_installed_distributions():
+    rc, r = doctor_json(**{VAR: "1"})
+    assert r["wrapt"]["version"] == version("wrapt")
+    assert r["wrapt"]["major"] == int(version("wrapt").split(".")[0])
+    fi = version("flashinfer-python")
+    assert r["flashinfer"]["version"] == fi
+    assert r["flashinfer"]["rules"] == _releases.range_of(fi)
+    assert r["flashinfer"]["verified"] is (not _releases.is_unknown(fi))
+    from flashinfer_safe_workspace import __version__
+    assert r["package_version"] == __version__
+
+
+def test_pth_is_found_in_a_site_directory():
+    rc, r = doctor_json("--no-import")
+    running = [e for e in r["pth"]["files"] if e["runs_at_start"]]
+    assert running, r["pth"]
+    site_dirs = {os.path.realpath(d) for d in site.getsitepackages()}
+    assert any(os.path.realpath(os.path.dirname(e["path"])) in site_dirs for e in running)
+    assert all(e["ok"] for e in running)
+
+
+def test_settings_are_the_effective_ones():
+    rc, r = doctor_json("--no-import", **{VAR: "1", f"{VAR}_HEADROOM_MB": "100",
+                                          f"{VAR}_ON_VETO": "raise",
+                                          f"{VAR}_VOTE_TIMEOUT": "bogus"})
+    assert r["settings"]["headroom_mb"] == 100
+    assert r["settings"]["on_veto"] == "raise"
+    assert r["settings"]["vote_timeout"] == 120.0  # malformed: the default
+
+
+def test_no_driver_is_reported_gracefully():
+    rc, r = doctor_json("--no-import", **{VAR: "1"})
+    assert rc == 0  # no driver does not make the shim inactive
+    cuda = r["cuda"]
+    if cuda["driver_version"] is not None:
+        pytest.skip(f"this machine has a CUDA driver ({cuda['driver_version']})")
+    assert cuda["error"].startswith("no driver") or cuda["error"].startswith("no cuda-python")
+    assert cuda["device_count"] is None
+
+
+def test_install_in_code_counts_as_active():
+    code = ("import flashinfer_safe_workspace as f, json, sys; f.install();"
+            "from flashinfer_safe_workspace import _doctor;"
+            "r = _doctor.doctor_report(); print(json.dumps([r['active'], r['flashinfer']['wrapped'],"
+            " r['why'][0]]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    active, wrapped, why = json.loads(proc.stdout)
+    assert active is True
+    assert "flashinfer.comm.create_allreduce_fusion_workspace" in wrapped
+    assert "install()" in why
+
+
+def test_unverified_flashinfer_release_is_flagged(monkeypatch):
+    # Stand-in: pretend the installed FlashInfer is newer than the newest mirrored
+    # release (CI cannot install a FlashInfer that does not exist yet).
+    newer = "%d.%d.%d" % (_releases.NEWEST[0], _releases.NEWEST[1], _releases.NEWEST[2] + 1)
+    real = _doctor._dist_version
+    monkeypatch.setattr(_doctor, "_dist_version",
+                        lambda name: newer if name == "flashinfer-python" else real(name))
+    r = _doctor.doctor_report(import_flashinfer=False)
+    assert r["flashinfer"]["version"] == newer
+    assert r["flashinfer"]["verified"] is False
+    assert r["flashinfer"]["rules"] == _releases.RANGES[-1][1]
+    assert any(newer in line and "UNKNOWN_VERSION" in line for line in r["why"])
+    text = _doctor.format_doctor(r)
+    assert "verified no" in text
