@@ -28,13 +28,41 @@ def main() -> None:
         _log.configure(settings.debug)
         if not settings.enabled:
             return
-        register_hooks()
+        if "flashinfer" in sys.modules:
+            register_hooks()
+        else:  # wrapt costs ~60 ms to import: wait until FlashInfer itself is imported
+            sys.meta_path.insert(0, _FlashInferWatcher())
     except Exception as exc:  # noqa: BLE001 - never break interpreter start-up
         try:
             from ._log import internal_error
             internal_error("bootstrap", exc)
         except Exception:
             pass
+
+
+class _FlashInferWatcher:
+    """A stdlib-only meta-path entry that does nothing but notice the first import of
+    ``flashinfer``; it then removes itself and registers the wrapt post-import hooks
+    (in time: the hooked ``flashinfer.comm`` submodules are imported after the package)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
+            try:
+                register_hooks()
+            except Exception as exc:  # noqa: BLE001 - never break the user's import
+                try:
+                    from ._log import internal_error
+                    internal_error("bootstrap.hooks", exc)
+                except Exception:
+                    pass
+        return None  # let the real finders find it
+
+    def invalidate_caches(self):
+        pass
 
 
 def register_hooks() -> None:

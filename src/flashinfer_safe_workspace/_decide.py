@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 from . import _config, _probe, _vote
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
-from ._plan import MiB, PassThrough, Plan, Request, Unplanned, make_plan
+from ._plan import Facts, MiB, PassThrough, Plan, Request, Unplanned, make_plan
 
 UNIFIED = "unified"
 LEGACY = "legacy"
@@ -157,8 +157,8 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
             f"could not set up the vote group: {type(exc).__name__}: {exc}"))
 
     # 2. plan + probe on this rank; any failure of ours becomes this rank's "no"
-    numbers: dict = {"global_rank": _global_rank(), "pid": os.getpid()}
-    ok, plan, reason_code, note = _plan_and_probe(req, version, channel, settings, numbers)
+    numbers: dict = {"global_rank": _global_rank(), "pid": os.getpid(), "device": -1}
+    ok, plan, reason_code, note = _plan(req, version, channel, settings, numbers)
     if isinstance(plan, PassThrough):
         return Decision("call", plan.reason)
     if reason_code == _probe.UNKNOWN_VERSION and settings.unknown_version == "pass-through":
@@ -166,8 +166,10 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
 
     key = (entry, channel.ranks, req.backend, plan.digest() if plan is not None else 0)
     cached = _veto_cache.get(key)
-    if cached is not None:
+    if cached is not None:  # same answer at once, no probe, no collective
         return Decision("veto", "cached veto", cached, plan, channel)
+    if ok and plan is not None:
+        ok, reason_code, note = _run_probe(plan, settings, numbers)
 
     # 3. the vote
     if channel.size <= 1:
@@ -214,8 +216,25 @@ def _global_rank() -> int:
     return -1
 
 
-def _plan_and_probe(req, version, channel, settings, numbers):
-    """(ok, plan | PassThrough | None, reason code, note)."""
+def _run_probe(plan, settings, numbers):
+    """(ok, reason code, note) of the probe on this rank; our failures are a "no"."""
+    try:
+        result = _probe.get_prober().probe(plan, settings.headroom_bytes)
+    except _probe.ProbeUnavailable as exc:
+        internal_error("probe.unavailable", exc)
+        return settings.fail_open, _probe.NO_DEVICE, str(exc)
+    except Exception as exc:  # the driver surprising us, or our bug
+        internal_error("probe", exc)
+        return settings.fail_open, _probe.PROBE_ERROR, f"{type(exc).__name__}: {exc}"
+    numbers.update(probe_ms=result.elapsed_s * 1000, device=result.device,
+                   free_bytes=result.free_bytes, failed_bytes=result.failed_bytes,
+                   cuda_error=result.cuda_error,
+                   failed_headroom=int(result.failed_name == "headroom"))
+    return result.ok, result.reason, result.failed_name
+
+
+def _plan(req, version, channel, settings, numbers):
+    """(ok, plan | PassThrough | None, reason code, note): everything up to the probe."""
     from . import _releases
 
     plan = None
@@ -233,6 +252,12 @@ def _plan_and_probe(req, version, channel, settings, numbers):
             return True, None, _probe.UNKNOWN_VERSION, f"FlashInfer {version} not mirrored; pass-through"
         if settings.unknown_version == "veto":
             return False, None, _probe.UNKNOWN_VERSION, f"FlashInfer {version} not mirrored; veto"
+    try:  # arguments FlashInfer rejects before allocating: no device work at all
+        early = make_plan(req, Facts(), version)
+        if isinstance(early, PassThrough):
+            return True, early, _probe.OK, early.reason
+    except Unplanned:
+        pass
     try:
         prober = _probe.get_prober()
         cc = _confidential_compute() if req.entry == UNIFIED else False
@@ -253,12 +278,7 @@ def _plan_and_probe(req, version, channel, settings, numbers):
         numbers.update(peak_bytes=plan.peak_bytes, headroom_bytes=settings.headroom_bytes)
         if mismatch:
             return False, plan, _probe.ARG_MISMATCH, mismatch
-        result = prober.probe(plan, settings.headroom_bytes)
-        numbers.update(probe_ms=result.elapsed_s * 1000)
-        numbers.update(device=result.device, free_bytes=result.free_bytes,
-                       failed_bytes=result.failed_bytes, cuda_error=result.cuda_error,
-                       failed_headroom=int(result.failed_name == "headroom"))
-        return result.ok, plan, result.reason, result.failed_name
+        return True, plan, _probe.OK, ""
     except _vote.VoteTimeout as exc:
         return False, plan, _probe.INTERNAL_ERROR, str(exc)
     except Unplanned as exc:
@@ -302,16 +322,16 @@ def _explain(result: _vote.VoteResult, channel: _vote.Channel, plan: Optional[Pl
     for pos in result.stale:
         details.append(f"rank {channel.ranks[pos]}: answered after its deadline")
     ranks = tuple(channel.ranks[p] for p in result.no_ranks + result.digest_mismatch + result.stale)
-    need = plan.peak_bytes if plan is not None else 0
-    msg = (f"insufficient GPU memory or disagreement for the FlashInfer all-reduce workspace "
-           f"(plan {need / MiB:.1f} MiB per rank); " + "; ".join(details))
+    need = f" (plan {plan.peak_bytes / MiB:.1f} MiB per rank)" if plan is not None else ""
+    msg = (f"FlashInfer all-reduce workspace not created on any rank{need}: "
+           + "; ".join(details))
     return VetoInfo(msg, tuple(sorted(set(ranks))), tuple(details))
 
 
 def _describe_rank(record, rank: int, plan: Optional[Plan]) -> str:
     f = lambda name: _vote.field(record, name)  # noqa: E731
     reason = f("reason")
-    device = f"cuda:{f('device')}"
+    device = f"cuda:{f('device')}" if f("device") >= 0 else "cuda:?"
     free = f("free_bytes")
     free_text = f", {free / (1 << 30):.2f} GiB free" if free >= 0 else ""
     if reason in (_probe.OUT_OF_MEMORY, _probe.PROBE_ERROR):

@@ -1,0 +1,110 @@
+"""The env-var grammar, precedence, warnings, and the README table against the code's."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from flashinfer_safe_workspace import _config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("raw,expected,warns", [
+    ("1", True, False), ("true", True, False), ("TRUE", True, False), (" yes ", True, False),
+    ("on", True, False), ("On", True, False),
+    ("0", False, False), ("false", False, False), ("No", False, False), ("off", False, False),
+    ("", False, False), ("   ", False, False),  # empty means unset
+    ("maybe", False, True), ("2", False, True), ("enable", False, True), ("-1", False, True),
+])
+def test_boolean_grammar(raw, expected, warns, caplog):
+    caplog.set_level(logging.WARNING, logger="flashinfer_safe_workspace")
+    _config._warned.clear()
+    settings = _config.read_settings({"FLASHINFER_SAFE_WORKSPACE": raw})
+    assert settings.enabled is expected
+    assert bool(caplog.records) is warns
+    if warns:
+        assert "FLASHINFER_SAFE_WORKSPACE" in caplog.text and "default" in caplog.text
+
+
+@pytest.mark.parametrize("name,raw,field,expected", [
+    ("HEADROOM_MB", "256", "headroom_mb", 256),
+    ("HEADROOM_MB", "0", "headroom_mb", 0),
+    ("HEADROOM_MB", "-5", "headroom_mb", 512),
+    ("HEADROOM_MB", "1.5", "headroom_mb", 512),
+    ("VOTE_TIMEOUT", "2.5", "vote_timeout", 2.5),
+    ("VOTE_TIMEOUT", "abc", "vote_timeout", 120.0),
+    ("VOTE_TIMEOUT", "0", "vote_timeout", 120.0),
+    ("VOTE_TIMEOUT", "inf", "vote_timeout", 120.0),
+    ("VOTE_TIMEOUT", "nan", "vote_timeout", 120.0),
+    ("ON_VETO", "RAISE", "on_veto", "raise"),
+    ("ON_VETO", "explode", "on_veto", "none"),
+    ("UNKNOWN_VERSION", "pass-through", "unknown_version", "pass-through"),
+    ("UNKNOWN_VERSION", "yolo", "unknown_version", "newest"),
+    ("CREATE_TIMEOUT", "30", "create_timeout", 30.0),
+    ("CREATE_TIMEOUT", "-1", "create_timeout", 0.0),
+    ("ON_HANG", "abort", "on_hang", "abort"),
+    ("ON_HANG", "panic", "on_hang", "log"),
+    ("FAIL_OPEN", "yes", "fail_open", True),
+    ("DEBUG", "sure", "debug", False),
+])
+def test_typed_values(name, raw, field, expected):
+    _config._warned.clear()
+    settings = _config.read_settings({f"FLASHINFER_SAFE_WORKSPACE_{name}": raw})
+    assert getattr(settings, field) == expected
+
+
+def test_bad_value_warns_once(caplog):
+    caplog.set_level(logging.WARNING, logger="flashinfer_safe_workspace")
+    _config._warned.clear()
+    env = {"FLASHINFER_SAFE_WORKSPACE_ON_VETO": "explode"}
+    for _ in range(3):
+        _config.read_settings(env)
+    assert len(caplog.records) == 1
+
+
+def test_overrides_win_and_are_validated():
+    settings = _config.read_settings({"FLASHINFER_SAFE_WORKSPACE_ON_VETO": "none"}, on_veto="raise")
+    assert settings.on_veto == "raise"
+    with pytest.raises(ValueError):
+        _config.read_settings({}, on_veto="explode")
+    with pytest.raises(TypeError):
+        _config.read_settings({}, no_such_setting=1)
+
+
+def test_defaults_match_settings_dataclass():
+    defaults = _config.Settings()
+    for var in _config.VARIABLES:
+        assert getattr(defaults, var.field) == var.default, var.name
+
+
+def test_only_config_reads_the_environment():
+    src = ROOT / "src" / "flashinfer_safe_workspace"
+    offenders = [p.name for p in src.glob("*.py")
+                 if p.name != "_config.py" and re.search(r"os\.environ|getenv", p.read_text())
+                 and p.name not in ("_demo.py",)]  # the demo builds its children's environment
+    assert offenders == []
+
+
+def _readme_rows():
+    text = (ROOT / "README.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"^\|\s*`(FLASHINFER_SAFE_WORKSPACE[A-Z_]*)`\s*\|([^|]*)\|([^|]*)\|", line)
+        if m:
+            rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip().strip("`"))
+    return rows
+
+
+def test_readme_env_table_matches_code():
+    rows = _readme_rows()
+    assert set(rows) == {v.name for v in _config.VARIABLES}
+    for var in _config.VARIABLES:
+        kind, default = rows[var.name]
+        assert kind == var.kind, var.name
+        shown = {True: "on", False: "off"}.get(var.default, var.default) \
+            if isinstance(var.default, bool) else var.default
+        assert default == str(shown), var.name

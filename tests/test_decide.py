@@ -1,0 +1,132 @@
+"""The real vote and decision over real multi-process gloo groups, on a simulated device."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import results, run_ranks
+
+BOUND_S = 20.0  # every decision here must come well within this
+
+
+def test_all_fit_calls_flashinfer_once_on_every_rank():
+    runs = run_ranks(2, """
+        import rank_lib
+        rank_lib.setup(free_mb=None)
+        outcome, secs, err = rank_lib.create(rank=RANK)
+        result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
+        from flashinfer_safe_workspace import _decide
+        result.update(report=_decide.last_report)
+    """)
+    for r in results(runs):
+        assert r["outcome"] == "created", r
+        assert r["calls"] == 1
+        assert r["report"]["vote"] == "yes" and r["report"]["ranks"] == [0, 1]
+        assert r["secs"] < BOUND_S
+
+
+@pytest.mark.parametrize("on_veto", ["none", "raise"])
+def test_one_rank_short_vetoes_on_every_rank(on_veto):
+    runs = run_ranks(2, f"""
+        import rank_lib
+        need = rank_lib.need_mb()
+        rank_lib.setup(free_mb=need - 2 if RANK == 0 else None, on_veto="{on_veto}")
+        outcome, secs, err = rank_lib.create(rank=RANK)
+        result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
+    """)
+    for r in results(runs):
+        assert r["calls"] == 0, r  # FlashInfer entered on no rank
+        assert r["outcome"] == ("none" if on_veto == "none" else "vetoed"), r
+        assert r["secs"] < BOUND_S
+        if on_veto == "raise":
+            assert "rank 0" in r["err"] and "OUT_OF_MEMORY" in r["err"]
+            assert "multicast" not in r["err"].lower()
+
+
+def test_exact_boundary_plan_plus_headroom():
+    """free == plan peak + headroom passes; one granule less is vetoed."""
+    body = """
+        import rank_lib
+        need = rank_lib.need_mb(headroom_mb=64)
+        rank_lib.setup(free_mb=need + DELTA if RANK == 1 else None, headroom_mb=64)
+        outcome, secs, err = rank_lib.create(rank=RANK)
+        result.update(outcome=outcome, calls=len(rank_lib.calls))
+    """
+    ok = results(run_ranks(2, body.replace("DELTA", "0")))
+    short = results(run_ranks(2, body.replace("DELTA", "-2")))
+    assert [r["outcome"] for r in ok] == ["created", "created"]
+    assert [r["outcome"] for r in short] == ["none", "none"]
+
+
+def test_four_ranks_one_short():
+    runs = run_ranks(4, """
+        import rank_lib
+        need = rank_lib.need_mb(world_size=4)
+        rank_lib.setup(free_mb=need - 100 if RANK == 2 else None, on_veto="raise")
+        outcome, secs, err = rank_lib.create(rank=RANK, world_size=4)
+        result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
+    """, timeout=120)
+    rs = results(runs)
+    assert [r["outcome"] for r in rs] == ["vetoed"] * 4
+    assert all(r["calls"] == 0 for r in rs)
+    assert all("rank 2 (cuda:0)" in r["err"] for r in rs)
+
+
+def test_subgroup_of_four_votes_without_the_other_ranks():
+    """Ranks 0,1 create over a 2-rank NCCL-like subgroup (here gloo); ranks 2,3 are busy
+    elsewhere and never call. The vote must only involve ranks 0 and 1."""
+    runs = run_ranks(4, """
+        import rank_lib
+        import torch.distributed as dist
+        sub = dist.new_group([0, 1], backend="gloo")
+        if RANK in (0, 1):
+            need = rank_lib.need_mb()
+            rank_lib.setup(free_mb=need - 10 if RANK == 1 else None)
+            outcome, secs, err = rank_lib.create(rank=RANK, group=sub)
+            from flashinfer_safe_workspace import _decide
+            result.update(outcome=outcome, secs=secs, ranks=_decide.last_report["ranks"])
+        else:
+            time.sleep(3)  # busy, never joins
+            result.update(outcome="busy")
+    """, timeout=120)
+    rs = results(runs)
+    assert rs[0]["outcome"] == rs[1]["outcome"] == "none"
+    assert rs[0]["ranks"] == rs[1]["ranks"] == [0, 1]
+    assert rs[0]["secs"] < 3 and rs[1]["secs"] < 3  # did not wait for ranks 2 and 3
+
+
+def test_veto_is_cached_without_a_new_collective():
+    runs = run_ranks(2, """
+        import rank_lib
+        from flashinfer_safe_workspace import _decide
+        need = rank_lib.need_mb()
+        dev = rank_lib.setup(free_mb=need - 2 if RANK == 0 else None)
+        first = rank_lib.create(rank=RANK)
+        probes = dev.probes
+        # rank 1 alone asks again: a collective would block; the cache answers at once
+        second = rank_lib.create(rank=RANK) if RANK == 1 else first
+        result.update(first=first[0], second=second[0], second_secs=second[1],
+                      probes_before=probes, probes_after=dev.probes, live=dev.live_bytes)
+    """)
+    rs = results(runs)
+    assert [r["first"] for r in rs] == ["none", "none"]
+    assert rs[1]["second"] == "none" and rs[1]["second_secs"] < 0.5
+    assert rs[1]["probes_after"] == rs[1]["probes_before"]
+    assert all(r["live"] == 0 for r in rs)
+
+
+def test_comm_backend_group_is_used_for_the_vote():
+    """vLLM/LightLLM pass comm_backend=TorchDistBackend(group): vote over that group."""
+    runs = run_ranks(2, """
+        import rank_lib
+        from flashinfer.comm.comm_backend import TorchDistBackend
+        import torch.distributed as dist
+        g = dist.new_group([0, 1], backend="gloo")
+        need = rank_lib.need_mb()
+        rank_lib.setup(free_mb=need - 2 if RANK == 1 else None)
+        outcome, secs, err = rank_lib.create(rank=RANK, comm_backend=TorchDistBackend(g))
+        from flashinfer_safe_workspace import _decide
+        result.update(outcome=outcome, ranks=_decide.last_report["ranks"])
+    """)
+    rs = results(runs)
+    assert [r["outcome"] for r in rs] == ["none", "none"]

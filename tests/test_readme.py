@@ -1,0 +1,24 @@
+"""The README's commands are the ones CI runs."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    return [l.strip() for l in lines[:20] if l.startswith("    python3 -m venv")]
+
+
+def test_readme_starts_with_demo_and_test_commands():
+    demo, tests = _commands()[:2]
+    assert "flashinfer_safe_workspace demo --world-size 2 --starve-rank 0" in demo
+    assert "pytest" in tests
+    assert "torch==2.13.0" in demo and "torch==2.13.0" in tests
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    tests = _commands()[1]
+    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()
+          if l.strip() and not l.startswith("#")]
+    assert tests in ci
