@@ -90,9 +90,12 @@ def test_garbage_value_warns_and_stays_off():
 
 def test_no_import_reports_nothing_wrapped():
     rc, r = doctor_json("--no-import", **{VAR: "1"})
-    assert rc == 0  # the hooks are registered: active
+    assert rc == 0  # hooks registered, or the bootstrap waits for flashinfer: active
+    assert r["hooks_registered"] or r["waiting_for_flashinfer"]
     assert r["flashinfer"]["imported"] is False
     assert r["flashinfer"]["wrapped"] == []
+    if r["waiting_for_flashinfer"]:  # lazy bootstrap: wrapt not loaded before flashinfer
+        assert r["wrapt"]["imported"] is False
 
 
 def test_versions_match_the_installed_distributions():

@@ -143,6 +143,13 @@ def _cuda_report() -> dict:
     return out
 
 
+def _watching() -> bool:
+    """The bootstrap's lazy watcher is on ``sys.meta_path``: the hooks get registered
+    (and wrapt imported) at the first ``import flashinfer``."""
+    return any(type(f).__module__ == "flashinfer_safe_workspace._bootstrap"
+               for f in sys.meta_path)
+
+
 def doctor_report(import_flashinfer: bool = True) -> dict:
     """Everything ``doctor`` prints, as one JSON-able dict."""
     from . import _bootstrap, _config, _patch
@@ -160,12 +167,14 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
         "wrapt": {"version": wrapt_version,
                   "major": int(wrapt_version.split(".")[0]) if wrapt_version else None,
                   "imported": "wrapt" in sys.modules},
-        "hooks_registered": _bootstrap.hooks_registered,
         "settings": dataclasses.asdict(settings),
     }
-    report["flashinfer"] = _flashinfer_report(import_flashinfer)
+    report["flashinfer"] = _flashinfer_report(import_flashinfer)  # may register the hooks
+    report["wrapt"]["imported"] = "wrapt" in sys.modules
+    report["hooks_registered"] = _bootstrap.hooks_registered
     report["cuda"] = _cuda_report()
-    report["active"] = bool(_patch.is_active())
+    report["waiting_for_flashinfer"] = _watching()
+    report["active"] = bool(_patch.is_active()) or report["waiting_for_flashinfer"]
     report["why"] = _why(report)
     return report
 
@@ -233,7 +242,9 @@ def format_doctor(r: dict) -> str:
     cuda = r["cuda"]
     out = [
         f"flashinfer_safe_workspace {r['package_version']} (python {r['python']}, {r['executable']})",
-        f"  active in this interpreter: {yes(r['active'])}",
+        f"  active in this interpreter: {yes(r['active'])}"
+        + (" (hooks registered at the first import of flashinfer)"
+           if r.get("waiting_for_flashinfer") else ""),
         f"  {var['name']}: {var['value']!r} -> enabled={var['enabled']}",
     ]
     if r["pth"]["files"]:
