@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import site
 import sys
 import time
@@ -409,3 +410,32 @@ def run_check(args) -> int:
     else:
         print(format_check(r))
     return r["exit_code"]
+
+
+# --------------------------------------------------------------------------- logs
+
+# The INFO line every fresh decision logs (``_decide._log_decision``); a cached veto
+# logs none. Any prefix a handler's format adds is allowed before ``fiws decision``.
+DECISION_LINE = re.compile(
+    r"fiws decision rank=(?P<rank>-|\d+) pid=(?P<pid>\d+) outcome=(?P<outcome>pass|veto)"
+    r" entry=(?P<entry>unified|legacy) backend=(?P<backend>[a-z-]+)"
+    r" ranks=(?P<ranks>\d+(?:,\d+)*) plan_bytes=(?P<plan_bytes>-?\d+)"
+    r" free_bytes=(?P<free_bytes>-?\d+) probe=(?P<probe>ok|no)"
+    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+)$")
+
+
+def parse_decision_lines(text: str) -> list:
+    """Every decision line in ``text`` as a dict with typed values."""
+    out = []
+    for line in text.splitlines():
+        match = DECISION_LINE.search(line.rstrip())
+        if match is None:
+            continue
+        d = match.groupdict()
+        d["rank"] = None if d["rank"] == "-" else int(d["rank"])
+        d["ranks"] = [int(x) for x in d["ranks"].split(",")]
+        for key in ("pid", "plan_bytes", "free_bytes"):
+            d[key] = int(d[key])
+        d["elapsed_ms"] = float(d["elapsed_ms"])
+        out.append(d)
+    return out

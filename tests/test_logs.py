@@ -1,0 +1,136 @@
+"""The grep-able decision line: one INFO line per fresh decision, parsed by the
+documented regex ``flashinfer_safe_workspace._doctor.DECISION_LINE``.
+
+Real processes (one rank alone, then two ranks voting over a real gloo group); the
+SimulatedDevice stands in for the GPU. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+from flashinfer_safe_workspace._doctor import DECISION_LINE, parse_decision_lines
+
+TIMEOUT = 180
+MiB = 1 << 20
+
+PRELUDE = textwrap.dedent("""
+    import json, logging, os, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s %(message)s")
+    import torch
+    import flashinfer_safe_workspace as fiws
+    from flashinfer_safe_workspace import _probe
+    fiws.install(on_veto="none", vote_timeout=60)
+    import flashinfer.comm as comm
+    MiB = 1 << 20
+
+    def create(**kw):
+        args = dict(backend="trtllm", world_size=1, rank=0, max_token_num=1024,
+                    hidden_dim=4096, dtype=torch.bfloat16)
+        args.update(kw)
+        try:
+            return repr(comm.create_allreduce_fusion_workspace(**args))
+        except Exception as exc:  # FlashInfer itself, after a pass: no CUDA here
+            return "raised " + type(exc).__name__
+""")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_SAFE_WORKSPACE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def test_regex_matches_the_documented_example():
+    line = ("fiws decision rank=3 pid=4242 outcome=veto entry=unified backend=trtllm "
+            "ranks=0,1,2,3 plan_bytes=543162454 free_bytes=-1 probe=no elapsed_ms=12.5")
+    (d,) = parse_decision_lines("INFO flashinfer_safe_workspace " + line)
+    assert d == {"rank": 3, "pid": 4242, "outcome": "veto", "entry": "unified",
+                 "backend": "trtllm", "ranks": [0, 1, 2, 3], "plan_bytes": 543162454,
+                 "free_bytes": -1, "probe": "no", "elapsed_ms": 12.5}
+    assert DECISION_LINE.search(line.replace("outcome=veto", "outcome=maybe")) is None
+    assert DECISION_LINE.search(line + " extra=1") is None  # a new field needs a new regex
+
+
+def test_one_line_per_decision_single_rank():
+    script = PRELUDE + textwrap.dedent("""
+        _probe.set_prober(_probe.SimulatedDevice(256 * MiB))
+        out = [create(), create()]            # a veto, then the cached veto
+        _probe.set_prober(_probe.SimulatedDevice(80 << 30))
+        out.append(create(max_token_num=512))  # another shape: a fresh decision, passes
+        out.append(create(max_token_num=0))  # FlashInfer rejects it itself: no decision
+        print(json.dumps({"pid": os.getpid(), "out": out}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["out"][:2] == ["None", "None"]
+    assert result["out"][2].startswith("raised")  # FlashInfer was called (no CUDA here)
+
+    raw = [l for l in proc.stderr.splitlines() if "fiws decision" in l]
+    lines = parse_decision_lines(proc.stderr)
+    assert len(raw) == len(lines) == 2, proc.stderr[-2000:]  # every line parses
+    assert all(l.startswith("INFO flashinfer_safe_workspace ") for l in raw)
+    veto, passed = lines
+    assert veto["outcome"] == "veto" and veto["probe"] == "no"
+    assert passed["outcome"] == "pass" and passed["probe"] == "ok"
+    for d in lines:
+        assert d["pid"] == result["pid"]
+        assert d["rank"] is None  # torch.distributed not initialised: rank=-
+        assert d["ranks"] == [0] and d["entry"] == "unified" and d["backend"] == "trtllm"
+        assert d["plan_bytes"] > 0 and d["elapsed_ms"] >= 0
+    assert veto["free_bytes"] == 256 * MiB and passed["free_bytes"] == 80 << 30
+    assert veto["plan_bytes"] > passed["plan_bytes"]  # 1024 vs 512 tokens
+
+
+RANK = PRELUDE + textwrap.dedent("""
+    import torch.distributed as dist
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    _probe.set_prober(_probe.SimulatedDevice(256 * MiB if rank == 1 else 80 << 30))
+    out = create(world_size=2, rank=rank)
+    print(json.dumps({"pid": os.getpid(), "out": out}), flush=True)
+    os._exit(0)
+""")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_each_log_their_own_line(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    port = str(_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, err[-2000:]
+            results.append((json.loads(out.strip().splitlines()[-1]), err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rank, (res, err) in enumerate(results):
+        assert res["out"] == "None"
+        (d,) = parse_decision_lines(err)
+        assert d["rank"] == rank and d["pid"] == res["pid"]
+        assert d["ranks"] == [0, 1]
+        assert d["outcome"] == "veto"  # the same outcome on every rank
+        assert d["probe"] == ("no" if rank == 1 else "ok")  # but each rank's own probe
+        assert d["free_bytes"] == (256 * MiB if rank == 1 else 80 << 30)
