@@ -134,6 +134,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
            settings: _config.Settings) -> Decision:
     """Everything before FlashInfer runs. Never raises (our errors become a vote)."""
     start = time.perf_counter()
+    deadline = time.monotonic() + settings.vote_timeout  # bounds every wait below, together
     req, bound = build_request(entry, original, args, kwargs)
     if req is None:
         return Decision("call", "arguments do not bind; FlashInfer reports its own error")
@@ -158,7 +159,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
 
     # 2. plan + probe on this rank; any failure of ours becomes this rank's "no"
     numbers: dict = {"global_rank": _global_rank(), "pid": os.getpid(), "device": -1}
-    ok, plan, reason_code, note = _plan(req, version, channel, settings, numbers)
+    ok, plan, reason_code, note = _plan(req, version, channel, settings, numbers, deadline)
     if isinstance(plan, PassThrough):
         return Decision("call", plan.reason)
     if reason_code == _probe.UNKNOWN_VERSION and settings.unknown_version == "pass-through":
@@ -178,7 +179,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
                                             **_record_numbers(numbers))]
     else:
         result = _vote.vote(channel, ok=ok, digest=plan.digest() if plan is not None else 0,
-                            timeout_s=settings.vote_timeout, reason=reason_code,
+                            timeout_s=_left(deadline), reason=reason_code,
                             **_record_numbers(numbers))
     elapsed_ms = (time.perf_counter() - start) * 1000
     last_report.clear()
@@ -188,7 +189,8 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         device=numbers.get("device", -1), probe_ok=bool(ok), probe_ms=numbers.get("probe_ms", 0.0),
         vote="yes" if result.passed else "no", vote_ms=result.elapsed_s * 1000,
         ranks=list(channel.ranks), elapsed_ms=elapsed_ms, note=note,
-        no_ranks=[channel.ranks[p] for p in result.no_ranks], missing=result.missing)
+        no_ranks=[channel.ranks[p] for p in result.no_ranks], missing=result.missing,
+        absent=list(result.absent))
     if result.passed:
         _log_decision("pass", req, plan, channel, numbers, ok, elapsed_ms)
         return Decision("call", "every rank voted yes", None, plan, channel, channel.ranks)
@@ -233,7 +235,11 @@ def _run_probe(plan, settings, numbers):
     return result.ok, result.reason, result.failed_name
 
 
-def _plan(req, version, channel, settings, numbers):
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _plan(req, version, channel, settings, numbers, deadline):
     """(ok, plan | PassThrough | None, reason code, note): everything up to the probe."""
     from . import _releases
 
@@ -256,7 +262,7 @@ def _plan(req, version, channel, settings, numbers):
         early = make_plan(req, Facts(), version)
         if isinstance(early, PassThrough):
             return True, early, _probe.OK, early.reason
-    except Unplanned:
+    except Exception:  # noqa: BLE001 - the full path below reports it
         pass
     try:
         prober = _probe.get_prober()
@@ -266,7 +272,7 @@ def _plan(req, version, channel, settings, numbers):
         facts = prober.facts(None, cc, ws)
         if _releases.needs_group_multicast_vote(req, version) and isinstance(req.world_size, int):
             if req.world_size > 1 and channel.size == req.world_size:
-                everyone = _vote.agree_all(channel, facts.multicast_supported, settings.vote_timeout)
+                everyone = _vote.agree_all(channel, facts.multicast_supported, _left(deadline))
             elif req.world_size <= 1:
                 everyone = facts.multicast_supported
             else:

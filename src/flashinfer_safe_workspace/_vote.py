@@ -45,7 +45,9 @@ def field(record: Sequence[int], name: str) -> int:
 
 
 class VoteTimeout(RuntimeError):
-    pass
+    def __init__(self, message: str, absent=()):
+        super().__init__(message)
+        self.absent = list(absent)
 
 
 class Channel:
@@ -74,6 +76,7 @@ class LocalChannel(Channel):
 
 
 _poisoned: set = set()
+_sequence: dict = {}  # votes made per group on this rank (the same on every member)
 _poison_lock = threading.Lock()
 
 
@@ -99,15 +102,43 @@ class TorchGroupChannel(Channel):
             if self.key() in _poisoned:
                 raise VoteTimeout(f"an earlier vote on group {self.label} timed out; "
                                   "its collectives are out of step, so it is not used again")
+            seq = _sequence.get(self.key(), 0) + 1
+            _sequence[self.key()] = seq
+        arrival = self._mark_arrival(seq)
         mine = torch.tensor(record, dtype=torch.int64)
         out = [torch.zeros_like(mine) for _ in self.ranks]
         try:
             work = dist.all_gather(out, mine, group=self.group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
         except Exception as exc:
             self.poison()
-            raise VoteTimeout(f"{type(exc).__name__}: {exc}".strip()) from exc
+            absent = self._absent(arrival)
+            who = f"; ranks that never reached the vote: {absent}" if absent else ""
+            raise VoteTimeout(f"{type(exc).__name__}: {str(exc).strip()[:300]}{who}",
+                              absent=absent) from exc
         return [t.tolist() for t in out]
+
+    def _mark_arrival(self, seq):
+        """Note our arrival in the default store (best effort, non-blocking), so that a
+        timed-out vote can name the ranks that never came."""
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            store = c10d._get_default_store()
+            prefix = f"fiws/vote/{'-'.join(map(str, self.ranks))}/{seq}/"
+            store.set(prefix + str(self.ranks[self.index]), "1")
+            return store, prefix
+        except Exception:
+            return None
+
+    def _absent(self, arrival) -> list:
+        if arrival is None:
+            return []
+        store, prefix = arrival
+        try:
+            return [r for r in self.ranks if not store.check([prefix + str(r)])]
+        except Exception:
+            return []
 
     def poison(self):
         with _poison_lock:
@@ -161,7 +192,7 @@ def _is_gloo(group) -> bool:
         return False
 
 
-def _gloo_twin(group, timeout_s: float, label: str) -> TorchGroupChannel:
+def _gloo_twin(group, timeout_s: float, label: str) -> TorchGroupChannel:  # noqa: C901
     """A gloo group over the same ranks as ``group`` (None = WORLD), made once per rank set."""
     import torch.distributed as dist
 
@@ -202,7 +233,9 @@ def choose_channel(*, group, comm_backend, uses_comm_backend: bool, timeout_s: f
                 return TorchGroupChannel(inner, "comm_backend._group")
             return _gloo_twin(inner, timeout_s, "comm_backend._group" if inner is not None else "WORLD")
         return CommBackendChannel(comm_backend, type(comm_backend).__name__)
-    if not initialised:
+    if not initialised:  # legacy single-process or MPI-launched use: decide locally
+        logger.info("%s torch.distributed is not initialised: deciding locally, no vote",
+                    rank_tag())
         return LocalChannel("torch.distributed not initialised")
     if group is not None and _is_gloo(group):
         return TorchGroupChannel(group, "group")
@@ -221,6 +254,7 @@ class VoteResult:
     stale: tuple = ()  # positions whose deadline had passed
     missing: str = ""  # why the vote itself failed (timeout, dead peer)
     elapsed_s: float = 0.0
+    absent: tuple = ()  # ranks that never reached a vote that timed out (when known)
 
 
 def vote(channel: Channel, *, ok: bool, digest: int, timeout_s: float, **numbers: int) -> VoteResult:
@@ -230,7 +264,8 @@ def vote(channel: Channel, *, ok: bool, digest: int, timeout_s: float, **numbers
     try:
         records = channel.gather(record, timeout_s)
     except VoteTimeout as exc:
-        return VoteResult(False, [], missing=str(exc), elapsed_s=time.time() - start)
+        return VoteResult(False, [], missing=str(exc), elapsed_s=time.time() - start,
+                          absent=tuple(exc.absent))
     now_ms = int(time.time() * 1000)
     margin_ms = int(min(1.0, 0.1 * timeout_s) * 1000)
     bad_magic = tuple(i for i, r in enumerate(records) if field(r, "magic") != MAGIC)
@@ -257,5 +292,5 @@ def agree_all(channel: Channel, value: bool, timeout_s: float) -> bool:
     """AND of one bit over the channel (FlashInfer's auto multicast vote, mirrored)."""
     result = vote(channel, ok=value, digest=0, timeout_s=timeout_s)
     if result.missing:
-        raise VoteTimeout(result.missing)
+        raise VoteTimeout(result.missing, result.absent)
     return result.passed
