@@ -107,6 +107,8 @@ def _load_libcudart_stub() -> str:
 class _Anything(types.ModuleType):
     """A module whose every attribute exists (import-time stand-in for triton)."""
 
+    __version__ = "3.0.0"  # flashinfer/triton kernels compare it at import
+
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
