@@ -1,0 +1,94 @@
+"""Which engine releases are verified, which of their files are fetched, and small
+readers of those files (constants by ``ast.literal_eval``, call-site shapes by ``ast``).
+
+The fetched files are the engines' own; nothing of them is committed here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
+VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
+SGL_FI = "sglang/srt/layers/flashinfer_comm_fusion.py"
+
+# (dist, version) -> wheel members to fetch
+ENGINES = {
+    ("vllm", "0.33.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py", "vllm/utils/gpu_sync_debug.py",
+                         "vllm/distributed/device_communicators/all_reduce_utils.py"],
+    ("vllm", "0.18.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("sglang", "0.5.23"): [SGL_FI],
+    ("sglang", "0.5.10.post1"): [SGL_FI, "sglang/srt/environ.py"],
+}
+
+
+def literal(path: Path, name: str):
+    """The value of a module-level ``NAME = <literal>`` (or annotated) in ``path``."""
+    tree = ast.parse(Path(path).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and node.target.id == name and node.value is not None):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{name} not found in {path}")
+
+
+def _calls(node, name: str):
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            f = sub.func
+            if (isinstance(f, ast.Name) and f.id == name) or (
+                    isinstance(f, ast.Attribute) and f.attr == name):
+                yield sub
+
+
+def _method(tree, cls: str, method: str):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    return item
+    raise KeyError(f"{cls}.{method}")
+
+
+def none_check_disables(path: Path, cls: str, method: str, callee: str) -> bool:
+    """``cls.method`` has ``if callee(...) is None: ... return`` (vLLM >= 0.20 pass)."""
+    fn = _method(ast.parse(Path(path).read_text()), cls, method)
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.If):
+            continue
+        t = node.test
+        if (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Is)
+                and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None
+                and isinstance(t.left, ast.Call) and list(_calls(t.left, callee))
+                and isinstance(node.body[-1], ast.Return)):
+            return True
+    return False
+
+
+def guarded_by_except_exception(path: Path, cls: str, method: str, callee: str) -> bool:
+    """Every call of ``callee`` (by name, or through a loop over a list naming it) in
+    ``cls.method`` sits in a ``try`` whose handler catches ``Exception`` and returns."""
+    fn = _method(ast.parse(Path(path).read_text()), cls, method)
+    names = {callee}
+    for node in ast.walk(fn):  # for fn in [callee, ...]: try: fn(...)
+        if isinstance(node, ast.For) and isinstance(node.iter, (ast.List, ast.Tuple)):
+            if any(isinstance(e, ast.Name) and e.id == callee for e in node.iter.elts):
+                if isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+    found = False
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Try):
+            continue
+        calls = [c for stmt in node.body for n in names for c in _calls(stmt, n)]
+        if not calls:
+            continue
+        found = True
+        ok = any(isinstance(h.type, ast.Name) and h.type.id == "Exception"
+                 and any(isinstance(s, ast.Return) for s in ast.walk(h)) for h in node.handlers)
+        if not ok:
+            return False
+    return found

@@ -1,0 +1,90 @@
+"""SGLang's real workspace-creation code (from its released wheels) under the shim's veto.
+
+Two ranks over real gloo groups. The code driven is
+``sglang/srt/layers/flashinfer_comm_fusion.py`` of each release: the fused
+all-reduce + residual + RMSNorm op, which creates the workspace through
+``FlashInferWorkspaceManager.initialize`` on first use (0.5.23's runner warm-up calls
+the same ``ensure_workspace_initialized``). Stand-ins and their reasons are in
+``engine_rank.py``. FlashInfer is the installed release (SGLang 0.5.23 pins 0.7.2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _runner import check_doc, engine_root, messages, run_ranks
+
+LOGGER = "sglang.srt.layers.flashinfer_comm_fusion"
+
+
+@pytest.fixture(scope="module")
+def s0523():
+    return engine_root("sglang", "0.5.23")
+
+
+@pytest.mark.parametrize("mode", ["none", "raise"])
+def test_sglang_0523_ends_non_fused(s0523, mode):
+    # SGLang >= 0.5.11 runs its own cuMemCreate preflight + BAND vote first (probing the
+    # bare trtllm sizes, each rounded to the 512 MiB multicast granularity: 1.5 GiB
+    # here). Rank 1 has 3000 MiB free: SGLang's preflight passes; the shim, asked to
+    # keep 4 GiB of headroom, vetoes.
+    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 3000], mode,
+                        FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB="4096")
+    for rank, r in enumerate(reports):
+        assert r["bound_is_wrapped"] is True  # SGLang binds the function at import: ours
+        (d,) = r["decisions"]  # one vote; the second op call never asks again
+        assert d["outcome"] == "veto" and d["ranks"] == [0, 1] and d["backend"] == "trtllm"
+        assert d["probe"] == ("no" if rank == 1 else "ok")
+        assert r["op_first"] == {"returned": [None, None]}  # the caller's non-fused path
+        assert r["op_second"] == {"returned": [None, None]}
+        assert r["unavailable"] is True and r["manager_initialized"] is False
+        assert r["can_use"] is False
+        warnings = messages(r, LOGGER)
+        assert any("Disabling flashinfer allreduce fusion permanently" in m for m in warnings)
+        if mode == "none":  # _configure_workspace_size_check() on None
+            assert any("'NoneType' object has no attribute 'is_buffer_size_sufficient'" in m
+                       for m in warnings)
+        else:
+            assert any("not created on any rank" in m for m in warnings)
+        check_doc("SGLang", "0.5.23", mode, "non-fused")
+
+
+def test_sglang_0523_own_preflight_vetoes_first(s0523):
+    """With 256 MiB free on rank 1 SGLang's own preflight says no on every rank and the
+    wrapped function is never called: no decision, no vote of ours."""
+    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 256], "raise")
+    for r in reports:
+        assert r["decisions"] == []
+        assert r["op_first"] == {"returned": [None, None]}
+        assert r["unavailable"] is True
+        assert any("cuMemCreate probe failed on at least one rank" in m
+                   for m in messages(r, LOGGER))
+
+
+@pytest.fixture(scope="module")
+def s0510():
+    return engine_root("sglang", "0.5.10.post1")
+
+
+@pytest.mark.parametrize("mode", ["none", "raise"])
+def test_sglang_0510_none_crashes_in_forward_raise_falls_back(s0510, mode):
+    reports = run_ranks("sglang", "0.5.10.post1", s0510, [80 * 1024, 256], mode)
+    for rank, r in enumerate(reports):
+        (d,) = r["decisions"]  # the retry on the next call is served by the veto cache
+        assert d["outcome"] == "veto" and d["probe"] == ("no" if rank == 1 else "ok")
+        if mode == "none":
+            # None is stored as an initialized workspace and handed to allreduce_fusion
+            assert r["manager_initialized"] is True and r["manager_workspace"] == "None"
+            assert r["unavailable"] is False
+            for call in ("op_first", "op_second"):
+                err = r[call]["raised"]
+                assert err["where"] == "allreduce.py"  # inside FlashInfer's kernel entry
+                assert "NoneType" in err["message"]
+            observed = f"crash: {r['op_first']['raised']['type']} in forward"
+        else:
+            assert r["op_first"] == {"returned": [None, None]}
+            assert r["op_second"] == {"returned": [None, None]}
+            assert r["unavailable"] is True and r["manager_initialized"] is False
+            assert any("not created on any rank" in m for m in messages(r, LOGGER))
+            observed = "non-fused"
+        check_doc("SGLang", "0.5.10.post1", mode, observed)

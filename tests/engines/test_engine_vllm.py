@@ -1,0 +1,103 @@
+"""vLLM's real workspace-creation code (from its released wheels) under the shim's veto.
+
+Two ranks over real gloo groups; rank 1's simulated GPU has 256 MiB free, so its
+probe (plan + 512 MiB headroom) fails and the vote vetoes on both ranks. What vLLM
+then does is its own code: ``vllm/distributed/device_communicators/flashinfer_all_reduce.py``
+of each release, fetched at test time (see ``_wheels.py``; stand-ins in
+``engine_rank.py``, each with its reason). FlashInfer is the installed release,
+not the one vLLM pins (0.33.0 pins 0.7.2.post1): the veto happens before FlashInfer
+runs, so FlashInfer's allocation code is not exercised here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _engines import VLLM_PASS, guarded_by_except_exception, none_check_disables
+from _runner import check_doc, engine_root, messages, run_ranks
+
+FREE = [80 * 1024, 256]  # MiB per rank: rank 1 is short
+LOGGER = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+
+
+def _common(reports):
+    for rank, r in enumerate(reports):
+        assert r["real_files"][0].endswith("flashinfer_all_reduce.py")
+        assert all(d["outcome"] == "veto" and d["ranks"] == [0, 1] for d in r["decisions"])
+        assert [d["probe"] for d in r["decisions"]] == (["ok"] * len(r["decisions"]) if rank == 0
+                                                        else ["no"] * len(r["decisions"]))
+
+
+@pytest.fixture(scope="module")
+def v033():
+    return engine_root("vllm", "0.33.0")
+
+
+@pytest.mark.parametrize("mode", ["none", "raise"])
+def test_vllm_033_ends_non_fused(v033, mode):
+    reports = run_ranks("vllm", "0.33.0", v033, FREE, mode)
+    _common(reports)
+    for r in reports:
+        # backend auto on one node: mnnvl first, then the trtllm fallback; both vetoed
+        assert [d["backend"] for d in r["decisions"]] == ["mnnvl", "trtllm"]
+        assert r["workspace"] == "None" and r["failed_latch"] is True
+        assert r["again"] == "None"  # latched: no third decision
+        assert r["standalone_enabled_before"] and r["standalone_ensure"] is False
+        assert r["standalone_disabled"] is True
+        warnings = messages(r, LOGGER)
+        errors = messages(r, LOGGER, "ERROR")
+        assert any("Failed to initialize FlashInfer Allreduce norm fusion workspace "
+                   "with backend=trtllm" in m for m in errors)
+        # vLLM labels any error mentioning "multicast" as expected on GPUs without NVSwitch
+        assert "multicast" not in r["report"]["message"].lower()
+        if mode == "none":
+            # mnnvl: None.destroy() -> AttributeError, caught and logged as a failure
+            assert any("'NoneType' object has no attribute 'destroy'" in m for m in warnings)
+            # trtllm None is registered under id(None) ...
+            assert r["none_registered"] is True
+            # ... so a workspace for another group over the same ranks crashes, uncaught
+            err = r["quant_other_group_error"]
+            assert err["type"] == "RuntimeError" and "different process group" in err["message"]
+            observed = "non-fused, RuntimeError for a 2nd group"
+        else:
+            assert any("not created on any rank" in m for m in warnings)
+            assert r["none_registered"] is False
+            assert r["quant_other_group"] == "None"
+            observed = "non-fused"
+        check_doc("vLLM", "0.33.0", mode, observed)
+
+
+def test_vllm_033_fusion_pass_disables_itself_on_none(v033):
+    """The pass itself needs vLLM's compiler stack; its reaction to ``None`` from the
+    function driven above is read from its real source."""
+    assert none_check_disables(v033 / VLLM_PASS, "AllReduceFusionPass", "__init__",
+                               "get_fi_ar_workspace")
+
+
+@pytest.fixture(scope="module")
+def v018():
+    return engine_root("vllm", "0.18.0")
+
+
+@pytest.mark.parametrize("mode", ["none", "raise"])
+def test_vllm_018_ends_non_fused(v018, mode):
+    reports = run_ranks("vllm", "0.18.0", v018, FREE, mode)
+    _common(reports)
+    for r in reports:
+        assert len(r["decisions"]) == 1  # the standalone retry is served by the veto cache
+        err = r["initialize_error"]
+        if mode == "none":
+            # `assert _fi_ar_workspace is not None` in initialize_fi_ar_workspace
+            assert err["type"] == "AssertionError" and err["where"] == "flashinfer_all_reduce.py"
+        else:
+            assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+        assert r["workspace"] == "None"
+        assert r["standalone_ensure"] is False and r["standalone_disabled"] is True
+        assert any("FlashInfer All Reduce will be disabled" in m
+                   for m in messages(r, LOGGER))
+        check_doc("vLLM", "0.18.0", mode, "non-fused")
+
+
+def test_vllm_018_fusion_pass_catches_creation_errors(v018):
+    assert guarded_by_except_exception(v018 / VLLM_PASS, "AllReduceFusionPass", "__init__",
+                                       "initialize_fi_ar_workspace")
