@@ -93,9 +93,10 @@ def _readme_rows():
     text = (ROOT / "README.md").read_text()
     rows = {}
     for line in text.splitlines():
-        m = re.match(r"^\|\s*`(FLASHINFER_SAFE_WORKSPACE[A-Z_]*)`\s*\|([^|]*)\|([^|]*)\|", line)
-        if m:
-            rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip().strip("`"))
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        m = re.match(r"^`(FLASHINFER_SAFE_WORKSPACE[A-Z_]*)`$", cells[0]) if cells else None
+        if m and len(cells) >= 3:
+            rows[m.group(1)] = (cells[1], cells[2].strip("`"))
     return rows
 
 

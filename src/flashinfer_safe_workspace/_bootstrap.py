@@ -12,7 +12,12 @@ import threading
 
 _done = False
 _lock = threading.Lock()
-hooks_registered = False
+hooks_registered = False  # wrapt post-import hooks are in place
+
+
+def watching() -> bool:
+    """Enabled, and waiting for the first ``import flashinfer`` to load wrapt."""
+    return any(isinstance(f, _FlashInferWatcher) for f in sys.meta_path)
 
 
 def main() -> None:
@@ -31,6 +36,9 @@ def main() -> None:
         if "flashinfer" in sys.modules:
             register_hooks()
         else:  # wrapt costs ~60 ms to import: wait until FlashInfer itself is imported
+            from . import _patch
+
+            _patch._active = True
             sys.meta_path.insert(0, _FlashInferWatcher())
     except Exception as exc:  # noqa: BLE001 - never break interpreter start-up
         try:
@@ -52,7 +60,10 @@ class _FlashInferWatcher:
             except ValueError:
                 pass
             try:
-                register_hooks()
+                from . import _patch
+
+                if _patch.is_active():  # not uninstalled meanwhile
+                    register_hooks()
             except Exception as exc:  # noqa: BLE001 - never break the user's import
                 try:
                     from ._log import internal_error
