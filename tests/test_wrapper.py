@@ -1,0 +1,98 @@
+"""The wrapper changes nothing FlashInfer does: same result object, same exceptions,
+arguments it rejects pass straight through (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import flashinfer.comm as comm
+import flashinfer.comm.allreduce as ar
+import flashinfer_safe_workspace as fiws
+from flashinfer_safe_workspace import _probe
+
+NO_CUDA = "Torch not compiled with CUDA enabled"
+
+
+@pytest.fixture
+def shim():
+    _probe.set_prober(_probe.SimulatedDevice(80 << 30))
+    fiws.install()
+    yield
+    fiws.uninstall()
+
+
+def _outcome(fn, kwargs):
+    try:
+        return ("ok", fn(**kwargs))
+    except BaseException as exc:  # noqa: BLE001
+        return ("raise", type(exc), str(exc))
+
+
+def test_result_object_is_returned_untouched(shim, monkeypatch):
+    made = []
+
+    class Recording:
+        def __init__(self, **kw):
+            made.append(self)
+
+    monkeypatch.setattr(ar, "TRTLLMAllReduceFusionWorkspace", Recording)
+    ws = comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=1, rank=0,
+                                                max_token_num=16, hidden_dim=64, dtype=torch.float16)
+    assert made and ws is made[0]
+
+
+def test_flashinfer_exception_is_untouched(shim, monkeypatch):
+    boom = ValueError("FlashInfer says no")
+
+    class Raising:
+        def __init__(self, **kw):
+            raise boom
+
+    monkeypatch.setattr(ar, "TRTLLMAllReduceFusionWorkspace", Raising)
+    with pytest.raises(ValueError) as info:
+        comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=1, rank=0,
+                                               max_token_num=16, hidden_dim=64, dtype=torch.float16)
+    assert info.value is boom
+
+
+def test_veto_in_raise_mode_is_a_runtime_error_without_multicast(monkeypatch):
+    _probe.set_prober(_probe.SimulatedDevice(1 << 20))  # 1 MiB free: nothing fits
+    fiws.install(on_veto="raise")
+    with pytest.raises(fiws.WorkspaceVetoed) as info:
+        comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=1, rank=0,
+                                               max_token_num=16, hidden_dim=64, dtype=torch.float16)
+    assert isinstance(info.value, RuntimeError)
+    assert "multicast" not in str(info.value).lower()
+    assert "OUT_OF_MEMORY" in str(info.value)
+
+
+def test_legacy_api_always_raises_on_veto():
+    _probe.set_prober(_probe.SimulatedDevice(1 << 20))
+    fiws.install(on_veto="none")
+    with pytest.raises(fiws.WorkspaceVetoed):
+        comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+            tp_rank=0, tp_size=1, max_token_num=16, hidden_dim=64)
+
+
+VALUES = st.one_of(st.none(), st.integers(-3, 20000), st.sampled_from(["2", 2.5, True]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(backend=st.sampled_from(["trtllm", "mnnvl", "auto", "mnnvl-cutedsl", "bogus", "", "TRTLLM"]),
+       world_size=VALUES, rank=VALUES, max_token_num=VALUES, hidden_dim=VALUES,
+       dtype=st.sampled_from([None, torch.bfloat16, torch.float16, torch.float32, torch.int8]),
+       force=st.booleans(), top_k=st.sampled_from([None, 10]))
+def test_rejected_arguments_pass_through_unchanged(shim, backend, world_size, rank, max_token_num,
+                                                   hidden_dim, dtype, force, top_k):
+    kwargs = dict(backend=backend, world_size=world_size, rank=rank, max_token_num=max_token_num,
+                  hidden_dim=hidden_dim, dtype=dtype, force_oneshot_support=force)
+    if top_k is not None:
+        kwargs["top_k"] = top_k
+    original = comm.create_allreduce_fusion_workspace.__wrapped__
+    plain = _outcome(original, kwargs)
+    if plain[0] == "raise" and NO_CUDA in plain[2]:
+        return  # FlashInfer accepted the arguments and reached CUDA: nothing to compare on CPU
+    wrapped = _outcome(comm.create_allreduce_fusion_workspace, kwargs)
+    assert wrapped == plain
