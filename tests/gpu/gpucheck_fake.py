@@ -1,0 +1,397 @@
+"""CPU stand-ins for the GPU check (``GPUCHECK_FAKE=1``): tests the harness, not FlashInfer.
+
+What is faked, per rank process:
+- the device: a ``FakeGPU`` byte counter (140 GiB, 512 MiB taken by the "context");
+- the world process group runs on gloo instead of NCCL; "NCCL" costs
+  ``NCCL_INIT_BYTES`` at its first collective, and a rank that lacks them raises
+  there while its peer blocks in the collective (FlashInfer 0.7.4's cold-NCCL hang);
+- FlashInfer's workspace class behind the real ``create_allreduce_fusion_workspace``,
+  and the legacy creation function: they follow 0.7.4's allocation sequence (B4:
+  FABRIC attempt, released, then POSIX; a vote after each attempt) through
+  ``flashinfer.comm.mnnvl.cuda`` and ``flashinfer.comm.trtllm_ar.cudart``, which are
+  replaced by fakes (so the recorder of case e wraps them as it wraps the real ones);
+- ``allreduce_fusion`` (gloo all-reduce, then the residual + RMSNorm on the CPU);
+- the shim's probe (a ``SimulatedDevice`` reading the fake free bytes).
+
+Nothing here runs on a GPU host: the real cases never import this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import threading
+
+MiB = 1 << 20
+GiB = 1 << 30
+GRAN = 2 * MiB
+NCCL_INIT_BYTES = 300 * MiB
+SIGNAL_PAD = 2048
+MAX_COMM_SIZE = 2147483647 & ~((1 << 21) - 1)
+
+
+def _ru(value, multiple):
+    return -(-int(value) // multiple) * multiple
+
+
+class FakeErr(int):
+    def __new__(cls, value, name):
+        obj = int.__new__(cls, value)
+        obj.name = name
+        return obj
+
+
+SUCCESS = FakeErr(0, "CUDA_SUCCESS")
+OOM = FakeErr(2, "CUDA_ERROR_OUT_OF_MEMORY")
+NOT_PERMITTED = FakeErr(800, "CUDA_ERROR_NOT_PERMITTED")
+
+
+class FakeEnum(int):
+    def __new__(cls, value, name):
+        obj = int.__new__(cls, value)
+        obj.name = name
+        return obj
+
+
+FABRIC = FakeEnum(8, "CU_MEM_HANDLE_TYPE_FABRIC")
+POSIX = FakeEnum(1, "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR")
+
+
+class FakeProp:
+    def __init__(self, handle_type):
+        self.requestedHandleTypes = handle_type
+
+
+class FakeGPU:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.total = 140 * GiB
+        self.used = 512 * MiB  # the CUDA context
+        self.nccl_warm = False
+        self.handles = {}
+        self.next_id = 1
+        self.lock = threading.Lock()
+
+    def free(self) -> int:
+        return self.total - self.used
+
+    def create(self, size: int):
+        with self.lock:
+            if size > self.free():
+                return None
+            hid = self.next_id
+            self.next_id += 1
+            self.handles[hid] = size
+            self.used += size
+            return hid
+
+    def release(self, hid: int) -> bool:
+        with self.lock:
+            size = self.handles.pop(int(hid), None)
+            if size is None:
+                return False
+            self.used -= size
+            return True
+
+
+class FakeDriver:
+    """The few driver entry points the fake FlashInfer calls (as ``mnnvl.cuda``)."""
+
+    def __init__(self, gpu: FakeGPU):
+        self.gpu = gpu
+
+    def cuMemCreate(self, size, prop, flags):
+        hid = self.gpu.create(int(size))
+        return (OOM,) if hid is None else (SUCCESS, hid)
+
+    def cuMemRelease(self, handle):
+        return (SUCCESS,) if self.gpu.release(int(handle)) else (FakeErr(1, "CUDA_ERROR_INVALID_VALUE"),)
+
+    def cuMemAlloc(self, size):
+        hid = self.gpu.create(_ru(max(int(size), 1), 512))
+        return (OOM,) if hid is None else (SUCCESS, hid)
+
+    def cuMemFree(self, ptr):
+        return self.cuMemRelease(ptr)
+
+    def cuMemGetInfo(self):
+        return (SUCCESS, self.gpu.free(), self.gpu.total)
+
+
+class FakeCudart:
+    def __init__(self, gpu: FakeGPU):
+        self.gpu = gpu
+
+    def cudaMalloc(self, size):
+        hid = self.gpu.create(_ru(max(int(size), 1), 512))
+        if hid is None:
+            raise RuntimeError("CUDART error: out of memory")
+        return hid
+
+    def cudaMemset(self, *args):
+        return None
+
+    def cudaMemcpy(self, *args):
+        return None
+
+
+class FakeHog:
+    def __init__(self, device):
+        self.device, self.handles = device, []
+        self.gran = GRAN
+
+    @property
+    def held(self):
+        return sum(self.device.gpu.handles.get(h, 0) for h in self.handles)
+
+    def fill(self, leave: int) -> int:
+        gpu = self.device.gpu
+        extra = gpu.free() - max(int(leave), 0)
+        if extra >= GRAN:
+            self.handles.append(gpu.create(extra - extra % GRAN))
+        return gpu.free()
+
+    def set(self, leave: int) -> int:
+        self.release()
+        return self.fill(leave)
+
+    def release(self):
+        while self.handles:
+            self.device.gpu.release(self.handles.pop())
+
+
+class FakeDevice:
+    fake = True
+
+    def __init__(self, rank: int):
+        import torch
+
+        self.torch = torch
+        self.rank = rank
+        self.gpu = FakeGPU(rank)
+        self.torch_device = torch.device("cpu")
+        self._hog = None
+        activate(self)
+
+    @property
+    def nccl_warm(self):
+        return self.gpu.nccl_warm
+
+    @nccl_warm.setter
+    def nccl_warm(self, value):
+        if value and not self.gpu.nccl_warm:
+            self.gpu.used += NCCL_INIT_BYTES
+        self.gpu.nccl_warm = bool(value)
+
+    def free_total(self):
+        return self.gpu.free(), self.gpu.total
+
+    def free(self):
+        return self.gpu.free()
+
+    def torch_stats(self):
+        return {"allocated": 0, "reserved": 0}
+
+    def sync(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def hog(self):
+        if self._hog is None:
+            self._hog = FakeHog(self)
+        return self._hog
+
+    def preload_flashinfer_module(self):
+        pass
+
+
+# --------------------------------------------------------------------------- fake FlashInfer
+
+_device = None
+
+
+def _collective(obj):
+    """FlashInfer's TorchDistBackend.allgather: NCCL's first use costs memory."""
+    import torch.distributed as dist
+
+    gpu = _device.gpu
+    if not gpu.nccl_warm:
+        if gpu.free() < NCCL_INIT_BYTES:
+            raise RuntimeError("fake DistBackendError: NCCL error in ncclCommInitRank: "
+                               "Cuda failure 2 'out of memory'")
+        _device.nccl_warm = True
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _FakeSymm:
+    def __init__(self, drv, handle, ptr):
+        self.drv, self.handle, self.ptr = drv, handle, ptr
+
+    def __del__(self):
+        try:
+            self.drv.cuMemFree(self.ptr)
+            self.drv.cuMemRelease(self.handle)
+        except Exception:
+            pass
+
+
+def _b4_alloc(drv, size):
+    """One SymmDeviceMemory as 0.7.4 makes it on one host: the handle-type vote, a
+    FABRIC attempt (its export fails without IMEX), a vote, release, then the same with
+    POSIX fds; RuntimeError on every rank if a rank failed that too."""
+    _collective("handle type")
+    errors = []
+    for handle_type in (FABRIC, POSIX):
+        err, handle = None, None
+        result = drv.cuMemCreate(size, FakeProp(handle_type), 0)
+        if int(result[0]) != 0:
+            err = f"creating or exporting the allocation failed: {result[0].name}"
+        else:
+            handle = result[1]
+            if handle_type == FABRIC:
+                err = "creating or exporting the allocation failed: CUDA_ERROR_NOT_PERMITTED"
+        errors = _collective(err)
+        if not any(errors):
+            return handle
+        if handle is not None:
+            drv.cuMemRelease(handle)
+    failed = "\n".join(f"  rank {r}: {e}" for r, e in enumerate(errors) if e)
+    raise RuntimeError("[MNNVL] allocating memory shared through POSIX file descriptor "
+                       f"handles failed:\n{failed}")
+
+
+def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=False,
+                group=None, create_metadata=False, comm_backend=None, use_symm_dev_mem=False):
+    """0.7.4's trtllm_create_ipc_workspace_for_all_reduce_fusion, B4 path only."""
+    from flashinfer.comm import mnnvl, trtllm_ar
+
+    if not use_symm_dev_mem or not create_metadata:
+        raise ValueError("the fake supports use_symm_dev_mem=True, create_metadata=True only")
+    drv, cudart = mnnvl.cuda, trtllm_ar.cudart
+    wide = 4 if use_fp32_lamport else 2
+    buffer_size = tp_size * max_token_num * hidden_dim * wide
+    flag_size = tp_size * 256 * 4
+    lamport_comm = min(tp_size * max_token_num * hidden_dim * wide, MAX_COMM_SIZE)
+    refs, ipc = [], []
+    for size in (buffer_size, flag_size, 3 * lamport_comm):
+        alloc = _ru(_ru(size, 16) + SIGNAL_PAD, GRAN)
+        handle = _b4_alloc(drv, alloc)
+        result = drv.cuMemAlloc(8 * tp_size)
+        if int(result[0]) != 0:
+            drv.cuMemRelease(handle)
+            raise RuntimeError(f"CUDA error code={int(result[0])}({result[0].name})")
+        refs.append(_FakeSymm(drv, handle, result[1]))
+        ipc.append([handle * 1000 + r for r in range(tp_size)])
+    trtllm_ar._symm_workspace_refs[id(ipc)] = refs
+    cudart.cudaMalloc(20)
+    _collective("barrier")
+    metadata = {"tp_rank": tp_rank, "tp_size": tp_size, "max_token_num": max_token_num,
+                "hidden_dim": hidden_dim, "use_fp32_lamport": use_fp32_lamport,
+                "buffer_size": buffer_size, "flag_size": flag_size,
+                "lamport_comm_size": lamport_comm, "lamport_buffer_size": 3 * lamport_comm,
+                "control_flag_ptr": 0}
+    return ipc, None, list(refs), metadata
+
+
+class FakeTRTLLMWorkspace:
+    def __init__(self, tp_size, tp_rank, max_token_num, hidden_dim, dtype=None,
+                 comm_backend=None, group=None):
+        import torch
+
+        self.world_size, self.rank = tp_size, tp_rank
+        self._destroyed = False
+        self._internal_workspace = fake_legacy(
+            tp_rank, tp_size, max_token_num, hidden_dim, dtype == torch.float32,
+            group, True, comm_backend, True)
+        (self.ipc_handles, self.workspace_tensor, self.mem_handles,
+         self.metadata) = self._internal_workspace
+
+    @property
+    def backend(self):
+        return "trtllm"
+
+    def destroy(self):
+        if self._destroyed:
+            return
+        del self.ipc_handles, self.workspace_tensor, self.mem_handles, self.metadata
+        self._destroyed = True
+
+
+def fake_allreduce_fusion(input, workspace, pattern, launch_with_pdl=False,
+                          trigger_completion_at_end=True, output=None, residual_out=None,
+                          norm_out=None, quant_out=None, scale_out=None, residual_in=None,
+                          rms_gamma=None, rms_eps=1e-6, **kwargs):
+    import torch
+    import torch.distributed as dist
+
+    total = input.float().clone()
+    dist.all_reduce(total)
+    if output is None:
+        output = torch.empty_like(input)
+    output.copy_(total.to(input.dtype))
+    if pattern == 0:
+        return output
+    pre = (total.to(input.dtype).float() + residual_in.float()).to(input.dtype)
+    residual_out.copy_(pre)
+    p = pre.float()
+    norm = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + rms_eps) * rms_gamma.float()
+    norm_out.copy_(norm.to(input.dtype))
+    return norm_out
+
+
+def activate(device) -> None:
+    """Swap FlashInfer's device-facing pieces for the fakes (once per process)."""
+    global _device
+    _device = device
+    import flashinfer.comm as comm
+    from flashinfer.comm import allreduce, mnnvl, trtllm_ar
+
+    mnnvl.cuda = FakeDriver(device.gpu)
+    trtllm_ar.cudart = FakeCudart(device.gpu)
+    trtllm_ar.trtllm_lamport_initialize = lambda *a, **k: None
+    allreduce.TRTLLMAllReduceFusionWorkspace = FakeTRTLLMWorkspace
+    fake_legacy.__signature__ = inspect.signature(
+        trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion)
+    for module in (comm, allreduce):
+        module.allreduce_fusion = fake_allreduce_fusion
+    if "flashinfer_safe_workspace" in sys.modules:
+        install_prober()
+
+
+def install_prober() -> None:
+    from flashinfer_safe_workspace import _probe
+
+    gpu = _device.gpu
+
+    class FakeProber(_probe.SimulatedDevice):
+        name = "fake-gpu"
+
+        @property
+        def free_bytes(self):
+            return gpu.free()
+
+        @free_bytes.setter
+        def free_bytes(self, value):
+            pass
+
+        def facts(self, device, confidential_compute, world_size):
+            import dataclasses
+
+            facts = super().facts(device, confidential_compute, world_size)
+            return dataclasses.replace(facts, fabric_supported=True, device_count=2,
+                                       current_device=gpu.rank)
+
+    _probe.set_prober(FakeProber(gpu.free(), total_bytes=gpu.total, device=gpu.rank))
+
+
+def legacy_function():
+    return fake_legacy
+
+
+if os.environ.get("GPUCHECK_FAKE") != "1":  # a guard against importing this by mistake
+    raise ImportError("gpucheck_fake is for GPUCHECK_FAKE=1 runs only")

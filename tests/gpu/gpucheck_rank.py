@@ -1,0 +1,701 @@
+"""One rank of a GPU-check case (a–g). Started twice by ``gpucheck_cases`` (rank r on cuda:r).
+
+    python3 tests/gpu/gpucheck_rank.py --case a --rank 0 --world-size 2 --port P --params JSON
+
+Case h (activation through the ``.pth``) has its own script, ``gpucheck_pth_rank.py``,
+because that rank script must not import flashinfer_safe_workspace itself.
+Results go to stdout as ``@@GPUCHECK {json}`` lines (see gpucheck_common).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpucheck_common import (  # noqa: E402
+    Call,
+    Group,
+    MiB,
+    collect,
+    emit,
+    exc_info,
+    finish,
+    legacy_kwargs,
+    make_device,
+    release_workspace,
+    run_main,
+    unified_kwargs,
+    unwrap,
+)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def shim_install(**overrides):
+    """Activate the shim explicitly (install()), with fakes wired in on CPU."""
+    import flashinfer_safe_workspace as fiws
+    from flashinfer_safe_workspace import _config
+
+    fiws.install(**overrides)
+    if os.environ.get("GPUCHECK_FAKE") == "1":
+        import gpucheck_fake
+
+        gpucheck_fake.install_prober()
+    import dataclasses
+
+    emit("shim", installed=fiws.is_installed(), version=fiws.__version__,
+         file=fiws.__file__, settings=dataclasses.asdict(_config.current()))
+    return fiws
+
+
+def set_on_veto(fiws, **overrides):
+    fiws.install(**overrides)
+    if os.environ.get("GPUCHECK_FAKE") == "1":
+        import gpucheck_fake
+
+        gpucheck_fake.install_prober()
+
+
+def legacy_function():
+    if os.environ.get("GPUCHECK_FAKE") == "1":
+        import gpucheck_fake
+
+        return gpucheck_fake.legacy_function()
+    import flashinfer.comm as comm
+
+    return unwrap(comm.trtllm_create_ipc_workspace_for_all_reduce_fusion)
+
+
+def plan_for(entry: str, fn, kwargs: dict):
+    """The shim's own plan for this call, exactly as _decide builds it."""
+    import flashinfer
+    from flashinfer_safe_workspace import _decide, _plan, _probe
+
+    if os.environ.get("GPUCHECK_FAKE") == "1":
+        import gpucheck_fake
+
+        gpucheck_fake.install_prober()
+    req, _ = _decide.build_request(entry, unwrap(fn), (), kwargs)
+    cc = _decide._confidential_compute() if entry == _decide.UNIFIED else False
+    facts = _probe.get_prober().facts(None, cc, req.world_size)
+    return _plan.make_plan(req, facts, flashinfer.__version__)
+
+
+def describe(result) -> str:
+    if result is None:
+        return "None"
+    if isinstance(result, tuple):
+        return f"tuple[{len(result)}]"
+    return type(result).__name__
+
+
+def last_report():
+    from flashinfer_safe_workspace import _decide
+
+    return dict(_decide.last_report)
+
+
+def clear_report():
+    from flashinfer_safe_workspace import _decide
+
+    _decide.last_report.clear()
+
+
+def clear_veto_cache():
+    from flashinfer_safe_workspace import _decide
+
+    _decide.clear_cache()
+
+
+def snapshot(dev, group, where: str, **extra) -> dict:
+    dev.sync()
+    collect()
+    group.barrier()
+    free, total = dev.free_total()
+    record = {"where": where, "free": free, "total": total, **dev.torch_stats(), **extra}
+    emit("snap", **record)
+    return record
+
+
+# --------------------------------------------------------------------------- a: positive
+
+
+def _inputs(seed: int, n: int, h: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, h, generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+
+# bf16: 8 significant bits, so one rounding is at most 2**-8 relative and one ulp 2**-7.
+# The kernels may round intermediate sums (the all-reduce sum before the residual add),
+# so errors are bounded relative to the magnitude of the operands ("scale"), not of the
+# result: |out - ref| <= ATOL + RTOL * scale elementwise, and ||out - ref|| / ||ref||
+# <= REL_TOL overall (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
+ATOL, RTOL, REL_TOL = 1e-3, 1.6e-2, 1e-2
+
+
+def _metrics(out, ref, scale) -> dict:
+    import torch
+
+    got = out.detach().to("cpu", torch.float64)
+    nan = int(torch.isnan(got).sum())
+    diff = (got - ref).abs()
+    rel = float(diff.norm() / ref.norm()) if float(ref.norm()) > 0 else float(diff.norm())
+    bound = ATOL + RTOL * scale
+    bad = int((diff > bound).sum()) + nan
+    ratio = float((diff / bound).nan_to_num(nan=float("inf")).max())
+    return {"rel_l2": rel, "max_abs": float(diff.nan_to_num(nan=float("inf")).max()),
+            "max_err_over_bound": ratio, "nan": nan, "n_outside": bad, "atol": ATOL,
+            "rtol": RTOL, "rel_tol": REL_TOL, "ok": nan == 0 and bad == 0 and rel <= REL_TOL}
+
+
+def accuracy(comm, ws, dev, rank: int, world: int, hidden: int, tokens: list) -> list:
+    """kAllReduce and kARResidualRMSNorm against float64 references on the CPU.
+
+    Inputs are bf16, random, different per rank and per token count (every rank can
+    rebuild every rank's input from its seed); outputs are poisoned with NaN first."""
+    import torch
+
+    pat = comm.AllReduceFusionPattern
+    eps = 1e-6
+    rows = []
+    for n in tokens:
+        xs = [_inputs(1000 * n + r, n, hidden) for r in range(world)]
+        x = xs[rank].to(dev.torch_device)
+        total = sum(t.to(torch.float64) for t in xs)
+        scale = sum(t.to(torch.float64).abs() for t in xs)
+        # kAllReduce
+        out = torch.full_like(x, float("nan"))
+        with Call(f"allreduce kAllReduce n={n}") as c:
+            comm.allreduce_fusion(input=x, workspace=ws, pattern=pat.kAllReduce,
+                                  launch_with_pdl=False, output=out)
+            dev.sync()
+        row = {"pattern": "kAllReduce", "tokens": n, "error": c.error, "seconds": c.seconds}
+        if c.error is None:
+            row["output"] = _metrics(out, total, scale)
+        row["ok"] = c.error is None and row["output"]["ok"]
+        rows.append(row)
+        # kARResidualRMSNorm (residual and gamma the same on every rank, as in TP)
+        res = _inputs(7 + n, n, hidden)
+        g = torch.Generator().manual_seed(99)
+        gamma = (1.0 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+        res_d, gamma_d = res.to(dev.torch_device), gamma.to(dev.torch_device)
+        res_out = torch.full_like(x, float("nan"))
+        norm_out = torch.full_like(x, float("nan"))
+        with Call(f"allreduce kARResidualRMSNorm n={n}") as c:
+            comm.allreduce_fusion(input=x, workspace=ws, pattern=pat.kARResidualRMSNorm,
+                                  launch_with_pdl=False, residual_in=res_d,
+                                  residual_out=res_out, norm_out=norm_out,
+                                  rms_gamma=gamma_d, rms_eps=eps)
+            dev.sync()
+        res64, gamma64 = res.to(torch.float64), gamma.to(torch.float64)
+        pre = total + res64
+        inv_rms = torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + eps)
+        norm = pre * inv_rms * gamma64
+        pre_scale = scale + res64.abs()
+        norm_scale = gamma64.abs() * pre_scale * inv_rms + norm.abs()
+        row = {"pattern": "kARResidualRMSNorm", "tokens": n, "error": c.error,
+               "seconds": c.seconds}
+        if c.error is None:
+            row["residual_out"] = _metrics(res_out, pre, pre_scale)
+            row["norm_out"] = _metrics(norm_out, norm, norm_scale)
+        row["ok"] = (c.error is None and row["residual_out"]["ok"] and row["norm_out"]["ok"])
+        rows.append(row)
+    return rows
+
+
+def case_a(args):
+    """Positive: shim on, room on both ranks, cold NCCL -> a real trtllm workspace that
+    computes the right all-reduce and residual+RMSNorm."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    fiws = shim_install(on_veto="none", debug=True)
+    import flashinfer.comm as comm
+
+    shape = p["shape"]
+    snapshot(dev, group, "before_create")
+    clear_report()
+    ws = None
+    with Call("create", shim=True) as c:
+        ws = comm.create_allreduce_fusion_workspace(**unified_kwargs(shape, rank, world))
+        c.result_note = describe(ws)
+    emit("created", result=describe(ws), backend=getattr(ws, "backend", None),
+         seconds=c.seconds, error=c.error, report=last_report(),
+         metadata={k: v for k, v in (getattr(ws, "metadata", None) or {}).items()
+                   if isinstance(v, (int, float, bool, str))} if ws is not None else None)
+    snapshot(dev, group, "after_create")
+    if ws is not None:
+        rows = accuracy(comm, ws, dev, rank, world, shape["H"], p["tokens"])
+        emit("accuracy", rows=rows)
+        dev.sync()
+        group.barrier()
+        release_workspace(ws)
+        ws = None
+        snapshot(dev, group, "after_release")
+    del fiws
+    finish(group)
+
+
+# --------------------------------------------------------------------------- b: starved, shim on
+
+
+def case_b(args):
+    """Starved rank with the shim: None on every rank (and WorkspaceVetoed in raise
+    mode), cold NCCL then warm NCCL, with time to decision per rank."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    fiws = shim_install(on_veto="none", debug=True)
+    import flashinfer.comm as comm
+    from flashinfer_safe_workspace import WorkspaceVetoed, _decide
+
+    kw = unified_kwargs(p["shape"], rank, world)
+    starve = p["starve_rank"]
+    for phase, leave_mb in (("cold", p["leave_cold_mb"]), ("warm", p["leave_warm_mb"])):
+        if phase == "warm":
+            with Call("warm NCCL"):
+                group.warm_nccl()
+        left = dev.hog().set(leave_mb * MiB) if rank == starve else None
+        snapshot(dev, group, f"{phase}_before", phase=phase, starved=rank == starve,
+                 hog_left=left, leave_target=leave_mb * MiB if rank == starve else None)
+        for mode in ("none", "raise"):
+            set_on_veto(fiws, on_veto=mode, debug=True)
+            _decide.clear_cache()
+            clear_report()
+            group.barrier()
+            outcome, veto, result = "?", None, None
+            with Call(f"{phase}/{mode}", phase=phase, mode=mode) as c:
+                try:
+                    result = comm.create_allreduce_fusion_workspace(**kw)
+                    outcome = "None" if result is None else f"created {describe(result)}"
+                except WorkspaceVetoed as exc:
+                    outcome = "raised WorkspaceVetoed"
+                    veto = {"message": str(exc), "ranks": list(exc.ranks),
+                            "details": list(exc.details)}
+                    result = None
+            if c.error is not None:
+                outcome = f"raised {c.error['type']}"
+            emit("decision", phase=phase, mode=mode, outcome=outcome, seconds=c.seconds,
+                 wall_start=c.wall_start, report=last_report(), veto=veto, error=c.error,
+                 nccl_warm=group.nccl_warm)
+            if result is not None:
+                release_workspace(result)
+                result = None
+                collect()
+        if rank == starve:
+            dev.hog().release()
+        group.barrier()
+    finish(group)
+
+
+# --------------------------------------------------------------------------- c: starved, no shim
+
+
+def case_c(args):
+    """The 'before' column: FlashInfer 0.7.4 alone, one rank starved. Lingers after
+    reporting (a blocked peer keeps waiting on a live process, as in an engine)."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    import flashinfer.comm as comm
+
+    fn = comm.create_allreduce_fusion_workspace
+    emit("shim_state", imported="flashinfer_safe_workspace" in sys.modules,
+         wrapped=bool(getattr(fn, "_self_flashinfer_safe_workspace", False)),
+         env={k: v for k, v in os.environ.items() if k.startswith("FLASHINFER_SAFE_WORKSPACE")})
+    if p["nccl"] == "warm":
+        with Call("warm NCCL"):
+            group.warm_nccl()
+    starve = p["starve_rank"]
+    left = dev.hog().set(p["leave_mb"] * MiB) if rank == starve else None
+    snapshot(dev, group, "before_call", starved=rank == starve, hog_left=left,
+             nccl=p["nccl"])
+    ws = None
+    with Call("create", nccl=p["nccl"], unprotected=True) as c:
+        ws = fn(**unified_kwargs(p["shape"], rank, world))
+        c.result_note = describe(ws)
+    emit("outcome", created=ws is not None, seconds=c.seconds, wall_start=c.wall_start,
+         error=c.error, nccl=p["nccl"])
+    finish(None, linger=True, barrier=False)
+
+
+# --------------------------------------------------------------------------- d: boundary sweep
+
+
+def case_d(args):
+    """Starve rank 0 to plan peak + headroom + delta; does the shim decide where the
+    plan says, and does FlashInfer succeed whenever it lets the call through? After a
+    veto, FlashInfer is called unprotected at the same leftover (false vetoes)."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    headroom = int(p["headroom_mb"]) * MiB
+    fiws = shim_install(on_veto="none", headroom_mb=int(p["headroom_mb"]), debug=True)
+    import flashinfer.comm as comm
+
+    wrapped = comm.create_allreduce_fusion_workspace
+    original = unwrap(wrapped)
+    with Call("warm-up: module + NCCL"):
+        dev.preload_flashinfer_module()
+        group.warm_nccl()
+    starve = p["starve_rank"]
+    for point in p["points"]:
+        idx, shape, delta = point["idx"], point["shape"], int(point["delta_mb"])
+        kw = unified_kwargs(shape, rank, world)
+        plan = plan_for("unified", wrapped, kw)
+        need = plan.peak_bytes + headroom
+        leave = need + delta * MiB
+        left = dev.hog().set(leave) if rank == starve else None
+        snap = snapshot(dev, group, f"point{idx}_before", idx=idx)
+        emit("point_start", idx=idx, shape=shape, delta_mb=delta, plan_peak=plan.peak_bytes,
+             plan_cumemcreate=sum(a.bytes for a in plan.allocations
+                                  if a.held and a.api == "cuMemCreate"),
+             headroom=headroom, need=need, leave_target=leave if rank == starve else None,
+             hog_left=left, free_before=snap["free"], starved=rank == starve)
+        clear_report()
+        clear_veto_cache()  # a veto is cached per arguments: every point votes afresh
+        group.barrier()
+        ws = None
+        with Call(f"shim#{idx}", idx=idx, kind="shim") as c:
+            ws = wrapped(**kw)
+            c.result_note = describe(ws)
+        outcome = "flashinfer_error" if c.error else ("created" if ws is not None else "vetoed")
+        emit("point_shim", idx=idx, outcome=outcome, error=c.error, seconds=c.seconds,
+             report=last_report())
+        if ws is not None:
+            dev.sync()
+            group.barrier()
+            release_workspace(ws)
+            ws = None
+        collect()
+        group.barrier()
+        if outcome == "vetoed" and p.get("unprotected_after_veto", True):
+            free2 = dev.free()
+            group.barrier()
+            ws2 = None
+            with Call(f"unprotected#{idx}", idx=idx, kind="unprotected") as c2:
+                ws2 = original(**kw)
+                c2.result_note = describe(ws2)
+            emit("point_unprotected", idx=idx, free_before=free2,
+                 outcome="created" if ws2 is not None else "flashinfer_error",
+                 error=c2.error, seconds=c2.seconds)
+            if ws2 is not None:
+                dev.sync()
+                group.barrier()
+                release_workspace(ws2)
+                ws2 = None
+            collect()
+            group.barrier()
+        if rank == starve:
+            dev.hog().release()
+        snapshot(dev, group, f"point{idx}_after", idx=idx)
+        emit("point_done", idx=idx)
+    del fiws
+    finish(group)
+
+
+# --------------------------------------------------------------------------- e: plan truth
+
+
+def _handle_type(value) -> str:
+    name = getattr(value, "name", str(value)).upper()
+    if "FABRIC" in name:
+        return "fabric"
+    if "POSIX" in name:
+        return "posix"
+    return name.lower()
+
+
+def _hid(handle):
+    try:
+        return int(handle)
+    except Exception:
+        return id(handle)
+
+
+class _DriverRecorder:
+    """Stands in for ``flashinfer.comm.mnnvl.cuda`` (the cuda-python driver module):
+    records cuMemCreate/Release/Alloc/Free/Import/Map/AddressReserve, delegates all."""
+
+    def __init__(self, real, events: list):
+        self._real, self._events = real, events
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _log(self, api, result, **fields):
+        err = result[0] if isinstance(result, tuple) and result else None
+        ok = err is not None and int(err) == 0
+        fields.update(api=api, ok=ok, err=getattr(err, "name", str(err)), t=time.perf_counter())
+        self._events.append(fields)
+        return ok
+
+    def cuMemCreate(self, size, prop, flags):
+        result = self._real.cuMemCreate(size, prop, flags)
+        ok = int(result[0]) == 0
+        self._log("cuMemCreate", result, size=int(size),
+                  handle=_handle_type(prop.requestedHandleTypes),
+                  hid=_hid(result[1]) if ok and len(result) > 1 else None)
+        return result
+
+    def cuMemRelease(self, handle):
+        result = self._real.cuMemRelease(handle)
+        self._log("cuMemRelease", result, hid=_hid(handle))
+        return result
+
+    def cuMemAlloc(self, size):
+        result = self._real.cuMemAlloc(size)
+        self._log("cuMemAlloc", result, size=int(size))
+        return result
+
+    def cuMemFree(self, ptr):
+        result = self._real.cuMemFree(ptr)
+        self._log("cuMemFree", result)
+        return result
+
+    def cuMemImportFromShareableHandle(self, *a):
+        result = self._real.cuMemImportFromShareableHandle(*a)
+        ok = int(result[0]) == 0
+        self._log("cuMemImportFromShareableHandle", result,
+                  hid=_hid(result[1]) if ok and len(result) > 1 else None)
+        return result
+
+    def cuMemAddressReserve(self, size, *a):
+        result = self._real.cuMemAddressReserve(size, *a)
+        self._log("cuMemAddressReserve", result, size=int(size))
+        return result
+
+    def cuMemMap(self, ptr, size, *a):
+        result = self._real.cuMemMap(ptr, size, *a)
+        self._log("cuMemMap", result, size=int(size))
+        return result
+
+
+class _CudartRecorder:
+    """Stands in for ``flashinfer.comm.trtllm_ar.cudart`` (FlashInfer's ctypes libcudart)."""
+
+    def __init__(self, real, events: list):
+        self._real, self._events = real, events
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def cudaMalloc(self, size):
+        try:
+            ptr = self._real.cudaMalloc(size)
+        except Exception as exc:
+            self._events.append({"api": "cudaMalloc", "size": int(size), "ok": False,
+                                 "err": str(exc), "t": time.perf_counter()})
+            raise
+        self._events.append({"api": "cudaMalloc", "size": int(size), "ok": True, "err": "",
+                             "t": time.perf_counter()})
+        return ptr
+
+
+class Recorder:
+    """Swap the two module attributes FlashInfer allocates through, and back."""
+
+    def __init__(self):
+        self.events: list = []
+        self._saved: list = []
+
+    def __enter__(self):
+        from flashinfer.comm import mnnvl, trtllm_ar
+
+        self._saved = [(mnnvl, "cuda", mnnvl.cuda), (trtllm_ar, "cudart", trtllm_ar.cudart)]
+        mnnvl.cuda = _DriverRecorder(mnnvl.cuda, self.events)
+        trtllm_ar.cudart = _CudartRecorder(trtllm_ar.cudart, self.events)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, obj in reversed(self._saved):
+            setattr(module, name, obj)
+        return False
+
+
+def case_e(args):
+    """Plan truth: every cuMemCreate/cuMemAlloc/cudaMalloc FlashInfer makes, next to
+    the shim's plan, for several shapes and both entry points. No shim in this process."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    import flashinfer
+    import flashinfer.comm as comm
+
+    emit("shim_state", active=bool(getattr(comm.create_allreduce_fusion_workspace,
+                                           "_self_flashinfer_safe_workspace", False)),
+         flashinfer=flashinfer.__version__)
+    with Call("warm-up: module + NCCL"):
+        dev.preload_flashinfer_module()
+        group.warm_nccl()
+    for item in p["shapes"]:
+        name, entry, shape = item["name"], item["entry"], item["shape"]
+        if entry == "unified":
+            fn, kw = unwrap(comm.create_allreduce_fusion_workspace), unified_kwargs(shape, rank, world)
+        else:
+            fn, kw = legacy_function(), legacy_kwargs(shape, rank, world)
+        try:
+            plan = plan_for(entry, fn, kw)
+            plan_json = plan.to_json() if hasattr(plan, "to_json") else {"passthrough": repr(plan)}
+        except Exception as exc:  # noqa: BLE001 - recorded, the creation still runs
+            plan_json = {"error": exc_info(exc)}
+        before = snapshot(dev, group, f"{name}_before", shape_name=name)
+        ws = None
+        with Recorder() as rec:
+            with Call(f"create {name}", shape_name=name) as c:
+                ws = fn(**kw)
+                c.result_note = describe(ws)
+        after = snapshot(dev, group, f"{name}_after", shape_name=name)
+        metadata = None
+        if ws is not None:
+            meta = ws[-1] if isinstance(ws, tuple) else getattr(ws, "metadata", {})
+            metadata = {k: v for k, v in (meta or {}).items() if isinstance(v, (int, bool, str))}
+        emit("plan_truth", name=name, entry=entry, shape=shape, plan=plan_json,
+             recorded=rec.events, error=c.error, seconds=c.seconds, metadata=metadata,
+             free_before=before["free"], free_after=after["free"],
+             torch_allocated_delta=after["allocated"] - before["allocated"],
+             torch_reserved_delta=after["reserved"] - before["reserved"])
+        if ws is not None:
+            dev.sync()
+            group.barrier()
+            release_workspace(ws)
+            ws = None
+        released = snapshot(dev, group, f"{name}_released", shape_name=name)
+        emit("plan_truth_release", name=name, free_after_release=released["free"])
+    finish(group)
+
+
+# --------------------------------------------------------------------------- f: no leak
+
+
+def case_f(args):
+    """Free memory per rank around a vetoed call and around create + destroy."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    shim_install(on_veto="none")
+    import flashinfer.comm as comm
+
+    kw = unified_kwargs(p["shape"], rank, world)
+    starve = p["starve_rank"]
+
+    def cycle(tag: str):
+        snapshot(dev, group, f"{tag}_before")
+        ws = None
+        with Call(f"create {tag}") as c:
+            ws = comm.create_allreduce_fusion_workspace(**kw)
+            c.result_note = describe(ws)
+        snapshot(dev, group, f"{tag}_created", result=describe(ws), error=c.error)
+        if ws is not None:
+            dev.sync()
+            group.barrier()
+            release_workspace(ws, stages=lambda stage: snapshot(dev, group, f"{tag}_{stage}"))
+            ws = None
+        snapshot(dev, group, f"{tag}_released")
+
+    snapshot(dev, group, "start")
+    cycle("first")  # the process's first creation: NCCL init, module load, gloo group
+    left = dev.hog().set(p["leave_mb"] * MiB) if rank == starve else None
+    snapshot(dev, group, "veto_before", hog_left=left)
+    with Call("create vetoed") as c:
+        result = comm.create_allreduce_fusion_workspace(**kw)
+        c.result_note = describe(result)
+    snapshot(dev, group, "veto_after", result=describe(result), error=c.error)
+    if rank == starve:
+        dev.hog().release()
+    snapshot(dev, group, "veto_hog_released")
+    # the same call again, memory back: the shim caches a completed veto per arguments
+    clear_report()
+    with Call("create after veto, memory back") as c:
+        result = comm.create_allreduce_fusion_workspace(**kw)
+        c.result_note = describe(result)
+    emit("sticky_veto", result=describe(result), error=c.error, report=last_report(),
+         seconds=c.seconds)
+    if result is not None:
+        dev.sync()
+        group.barrier()
+        release_workspace(result)
+    result = None
+    clear_veto_cache()
+    snapshot(dev, group, "sticky_checked")
+    for i in range(int(p["cycles"])):
+        cycle(f"cycle{i}")
+    dev.empty_cache()
+    snapshot(dev, group, "empty_cache")
+    finish(group)
+
+
+# --------------------------------------------------------------------------- g: overhead
+
+
+def case_g(args):
+    """Creation time with the shim on vs off (interleaved, same process), the probe and
+    vote alone, and the veto decision latency."""
+    import statistics  # noqa: F401  (the parent computes medians; kept for local use)
+
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    shim_install(on_veto="none")
+    import flashinfer.comm as comm
+    from flashinfer_safe_workspace import _decide
+
+    wrapped = comm.create_allreduce_fusion_workspace
+    original = unwrap(wrapped)
+    kw = unified_kwargs(p["shape"], rank, world)
+
+    def one(fn, label):
+        clear_report()
+        group.barrier()
+        ws = None
+        with Call(label) as c:
+            t0 = time.perf_counter()
+            ws = fn(**kw)
+            seconds = time.perf_counter() - t0
+        report = last_report()
+        if ws is not None:
+            dev.sync()
+            group.barrier()
+            release_workspace(ws)
+            ws = None
+        collect()
+        return {"seconds": seconds if c.error is None else None, "error": c.error,
+                "probe_ms": report.get("probe_ms"), "vote_ms": report.get("vote_ms"),
+                "decide_ms": report.get("elapsed_ms"), "vote": report.get("vote")}
+
+    for label, fn in (("warm-up on", wrapped), ("warm-up off", original)):
+        emit("warmup", label=label, **one(fn, label))
+    rows = []
+    for i in range(int(p["n"])):
+        order = ("on", "off") if i % 2 == 0 else ("off", "on")
+        for mode in order:
+            row = one(wrapped if mode == "on" else original, f"{mode}#{i}")
+            row.update(i=i, mode=mode)
+            rows.append(row)
+    emit("timings", rows=rows)
+    starve = p["starve_rank"]
+    left = dev.hog().set(p["leave_mb"] * MiB) if rank == starve else None
+    snapshot(dev, group, "veto_before", hog_left=left)
+    vrows = []
+    for i in range(int(p["n_veto"])):
+        _decide.clear_cache()
+        row = one(wrapped, f"veto#{i}")
+        row.update(i=i)
+        vrows.append(row)
+    emit("veto_timings", rows=vrows)
+    if rank == starve:
+        dev.hog().release()
+    finish(group)
+
+
+CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f,
+         "g": case_g}
+
+if __name__ == "__main__":
+    run_main(CASES)
