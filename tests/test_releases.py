@@ -490,10 +490,10 @@ requests = st.builds(
     entry=st.sampled_from(["unified", "legacy"]),
     backend=st.sampled_from(["trtllm", "mnnvl", "auto", "mnnvl-cutedsl"]),
     world_size=st.integers(1, 72),
-    rank=st.integers(0, 71),
+    rank=st.one_of(st.integers(0, 71), st.none()),
     max_token_num=st.integers(1, 1 << 17),
     hidden_dim=st.integers(1, 1 << 15),
-    dtype=st.sampled_from(["bfloat16", "float16", "float32", None]),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32", None, "torch.float32", "int8"]),
     force_oneshot_support=st.booleans(),
     gpus_per_node=st.sampled_from([None, 1, 4, 8]),
     use_fp32_lamport=st.booleans(),
@@ -546,6 +546,24 @@ def test_plan_invariants(req, facts, version):
         assert plan.allocations[-1].bytes == (3 * req.world_size + 1) * 8
     else:
         assert plan.allocations[-1].bytes == 36
-    rank_other = dataclasses.replace(req, rank=(req.rank + 1) % 72)
-    other = make_plan(rank_other, facts, version)
-    assert isinstance(other, Plan) and other.digest() == plan.digest()
+    if isinstance(req.rank, int):
+        rank_other = dataclasses.replace(req, rank=(req.rank + 1) % 72)
+        other = make_plan(rank_other, facts, version)
+        assert isinstance(other, Plan) and other.digest() == plan.digest()
+
+
+def test_torch_prefixed_dtype_names():
+    facts = Facts(granularity=1, multicast_granularity=1)
+    for v in ("0.7.2", "0.7.4"):
+        a = make_plan(Request("unified", "trtllm", 2, 0, 3, 5, "torch.float32"), facts, v)
+        b = make_plan(Request("unified", "trtllm", 2, 0, 3, 5, "float32"), facts, v)
+        assert a.allocations == b.allocations
+    a = make_plan(Request("unified", "mnnvl", 2, 0, 3, 5, "torch.bfloat16"), facts, "0.7.4")
+    b = make_plan(Request("unified", "mnnvl", 2, 0, 3, 5, "bfloat16"), facts, "0.7.4")
+    assert a.allocations == b.allocations
+
+
+def test_non_int_rank_where_it_is_the_device():
+    assert isinstance(make_plan(unified("E1", rank=None), G2, "0.6.6"), PassThrough)
+    assert isinstance(make_plan(unified("E1", "mnnvl", rank=None), G2, "0.6.6"), PassThrough)
+    assert isinstance(make_plan(unified("E1", rank=None), G2, "0.7.4"), Plan)

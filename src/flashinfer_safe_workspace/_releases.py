@@ -98,12 +98,21 @@ def is_unknown(version: str) -> bool:
     return parse_version(version)[:3] > NEWEST[:3]
 
 
+def _dtype_name(dtype: Optional[str]) -> Optional[str]:
+    if dtype is None:
+        return None
+    name = str(dtype)
+    return name[len("torch."):] if name.startswith("torch.") else name
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def element_size(dtype: Optional[str]) -> int:
     if dtype is None:
         return 4  # torch's default dtype, float32
-    name = str(dtype)
-    if name.startswith("torch."):
-        name = name[len("torch."):]
+    name = _dtype_name(dtype)
     size = ELEMENT_SIZE.get(name) or _MORE_ELEMENT_SIZES.get(name)
     if size is None:
         raise Unplanned(f"no element size known for dtype {dtype}")
@@ -237,9 +246,13 @@ def _trtllm_sizes(t: Traits, req: Request, fp32: bool) -> list:
 
 def _trtllm_workspace(t: Traits, req: Request, facts: Facts, version: str,
                       allocator: str, entry: str) -> Union[Plan, PassThrough]:
-    fp32 = req.use_fp32_lamport if entry == "legacy" else req.dtype == "float32"
+    fp32 = req.use_fp32_lamport if entry == "legacy" else _dtype_name(req.dtype) == "float32"
     ws = req.world_size
-    device = req.rank if (allocator == "B1" and t.trtllm_device_is_rank) else None
+    device = None
+    if allocator == "B1" and t.trtllm_device_is_rank:
+        device = req.rank
+        if not _is_int(device) or device < 0:
+            return PassThrough(f"tp_rank={device!r} is the CUDA ordinal here; FlashInfer decides")
     if allocator == "B1" and not facts.multicast_supported:
         # B1 checks MULTICAST_SUPPORTED even without multicast, before any collective
         return PassThrough("SymmDeviceMemory (0.6.0–0.6.14) needs a multicast-capable "
@@ -306,8 +319,10 @@ def _mnnvl_workspace(t: Traits, req: Request, facts: Facts,
         gpn = req.gpus_per_node
         if gpn is None:
             gpn = min(facts.device_count, ws)
-        if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn <= 0:
+        if not _is_int(gpn) or gpn <= 0:
             return PassThrough(f"gpus_per_node={gpn!r}; FlashInfer decides")
+        if not _is_int(req.rank):
+            return PassThrough(f"rank={req.rank!r}; FlashInfer decides")
         device = req.rank % gpn
     if allocator == "C":
         # One float32 tensor: numel = bytes // 4, so the request drops to a multiple of 4.
@@ -361,7 +376,7 @@ def _cutedsl(t: Traits, req: Request, facts: Facts) -> PassThrough:
     if not apply_norm and not flag("write_residual_output", True):
         return PassThrough("mnnvl-cutedsl without the norm needs write_residual_output "
                            "(FlashInfer ValueError)")
-    if req.dtype != "bfloat16":
+    if _dtype_name(req.dtype) != "bfloat16":
         return PassThrough("mnnvl-cutedsl supports bfloat16 only (FlashInfer ValueError)")
     if output not in ("torch.bfloat16", "torch.float8_e4m3fn"):
         return PassThrough("mnnvl-cutedsl output_dtype must be bfloat16 or float8_e4m3fn "
@@ -371,7 +386,7 @@ def _cutedsl(t: Traits, req: Request, facts: Facts) -> PassThrough:
             or (flag("dynamic_fp8", False) and not fp8):
         return PassThrough("inconsistent mnnvl-cutedsl output options (FlashInfer ValueError)")
     rank = req.rank
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < req.world_size:
+    if not _is_int(rank) or not 0 <= rank < req.world_size:
         return PassThrough("mnnvl-cutedsl tp_rank out of range (FlashInfer ValueError)")
     if tuple(facts.compute_capability)[:1] < (10,):
         return PassThrough("mnnvl-cutedsl needs a Blackwell GPU (FlashInfer RuntimeError)")
@@ -388,7 +403,7 @@ def _cutedsl(t: Traits, req: Request, facts: Facts) -> PassThrough:
 def _check_ints(req: Request, *names: str) -> Optional[PassThrough]:
     for name in names:
         value = getattr(req, name)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_int(value):
             return PassThrough(f"{name}={value!r} is not an int; FlashInfer decides")
         if value <= 0:
             return PassThrough(f"{name}={value!r}; FlashInfer decides")
