@@ -1,0 +1,223 @@
+"""CPU tests of the GPU-check harness itself (they run in CI; they need no GPU).
+
+The analysis functions and the report generator are tested on synthetic input, and
+``scripts/gpu-check --fake`` runs a few cases end to end against the CPU fakes of
+``gpucheck_fake`` (gloo instead of NCCL, a byte counter instead of a GPU, FlashInfer's
+0.7.4 allocation sequence imitated), including a real hang that the harness must kill.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu-check")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import gpu_report  # noqa: E402
+import gpucheck_cases as gcc  # noqa: E402
+
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------- plan comparison
+
+
+def _plan(*allocs):
+    return {"allocations": [dict(zip(("name", "bytes", "api", "handle_type", "held"), a))
+                            for a in allocs], "peak_bytes": 0}
+
+
+E1_PLAN = _plan(
+    ("trtllm.buffer", 35651584, "cuMemCreate", "fabric", False),
+    ("trtllm.buffer", 35651584, "cuMemCreate", "posix", True),
+    ("trtllm.buffer.uc_ptrs", 16, "cuMemAlloc", None, True),
+    ("trtllm.flag", 2097152, "cuMemCreate", "fabric", False),
+    ("trtllm.flag", 2097152, "cuMemCreate", "posix", True),
+    ("trtllm.flag.uc_ptrs", 16, "cuMemAlloc", None, True),
+    ("control_flag", 20, "cudaMalloc", None, True),
+    ("workspace_table", 56, "torch", None, True),
+)
+
+
+def _recorded(reuse_handles: bool):
+    """FABRIC create (export fails) + release, POSIX create, pointer array; twice.
+    With reuse_handles the driver hands the released FABRIC handle value out again."""
+    ev = []
+    hid = 10
+    for size in (35651584, 2097152):
+        ev.append({"api": "cuMemCreate", "size": size, "handle": "fabric", "ok": True, "hid": hid})
+        ev.append({"api": "cuMemRelease", "hid": hid, "ok": True})
+        posix = hid if reuse_handles else hid + 1
+        ev.append({"api": "cuMemCreate", "size": size, "handle": "posix", "ok": True, "hid": posix})
+        ev.append({"api": "cuMemImportFromShareableHandle", "hid": posix + 100, "ok": True})
+        ev.append({"api": "cuMemAddressReserve", "size": 2 * size, "ok": True})
+        ev.append({"api": "cuMemAlloc", "size": 16, "ok": True})
+        hid += 2
+    ev.append({"api": "cudaMalloc", "size": 20, "ok": True})
+    return ev
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_compare_plan_matches_fabric_attempt_then_posix(reuse):
+    cmp_ = gcc.compare_plan(E1_PLAN, _recorded(reuse))
+    assert cmp_["cumemcreate_match"], cmp_
+    assert cmp_["driver_sequence_match"], cmp_
+    assert cmp_["held_cumemcreate_actual"] == 35651584 + 2097152
+    assert cmp_["imports"] == 2
+
+
+def test_compare_plan_reports_the_first_difference():
+    rec = _recorded(False)
+    rec[2]["size"] += 2 * MiB
+    cmp_ = gcc.compare_plan(E1_PLAN, rec)
+    assert not cmp_["cumemcreate_match"]
+    assert cmp_["cumemcreate_diff"]["index"] == 1
+    rec = _recorded(False)[:-1]  # no cudaMalloc recorded
+    cmp_ = gcc.compare_plan(E1_PLAN, rec)
+    assert cmp_["cumemcreate_match"] and not cmp_["driver_sequence_match"]
+    assert cmp_["sequence_diff"]["planned_len"] == cmp_["sequence_diff"]["actual_len"] + 1
+
+
+def test_compare_plan_failed_create_is_not_held():
+    plan = _plan(("b", 4 * MiB, "cuMemCreate", "posix", True))
+    rec = [{"api": "cuMemCreate", "size": 4 * MiB, "handle": "posix", "ok": False, "hid": None}]
+    assert not gcc.compare_plan(plan, rec)["cumemcreate_match"]
+
+
+# --------------------------------------------------------------------------- sweep verdicts
+
+
+@pytest.mark.parametrize("shim,unprotected,verdict", [
+    ("created", None, "pass, FlashInfer succeeded"),
+    ("flashinfer_error", None, "FALSE PASS"),
+    ("blocked", None, "FALSE PASS"),
+    ("vetoed", "created", "false veto"),
+    ("vetoed", "flashinfer_error", "veto, FlashInfer alone raised"),
+    ("vetoed", "blocked", "veto, FlashInfer alone blocked"),
+    ("inconsistent", None, "INCONSISTENT"),
+])
+def test_classify_point(shim, unprotected, verdict):
+    assert gcc.classify_point({"shim": shim, "unprotected": unprotected}).startswith(verdict)
+
+
+def test_summarise_point_expected_decision_uses_the_probe_free_bytes():
+    ctx = gcc.Ctx()
+    p = {"idx": 0, "shape_name": "E1", "delta_mb": 0, "need": 100 * MiB, "plan_peak": 100 * MiB,
+         "ranks": {0: {"starved": True, "free_before": 101 * MiB, "probe_free": 100 * MiB,
+                       "shim": "created"},
+                   1: {"starved": False, "free_before": 9000 * MiB, "shim": "created"}}}
+    out = gcc._summarise_point(p, ctx)
+    assert out["expected"] == "pass" and out["as_planned"] is True and out["margin"] == 0
+    p["ranks"][1]["shim"] = "blocked"
+    out = gcc._summarise_point(p, ctx)
+    assert out["verdict"].startswith("FALSE PASS")
+
+
+def test_merge_point_marks_the_blocked_call():
+    ctx = gcc.Ctx()
+    points = {3: {"idx": 3}}
+    run = {"ranks": [{"events": [{"ev": "point_shim", "idx": 3, "outcome": "vetoed",
+                                  "seconds": 0.1, "report": {}}]},
+                     {"events": []}],
+           "hang": {"ranks": [{"rank": 0, "label": "unprotected#3", "blocked_s": 41.0},
+                              {"rank": 1, "label": "unprotected#3", "blocked_s": 41.0}]}}
+    gcc._merge_point(points, run, ctx)
+    assert points[3]["hung"] and points[3]["ranks"][0]["unprotected"] == "blocked"
+    assert gcc._summarise_point(points[3], ctx)["verdict"] == "veto, FlashInfer alone blocked"
+
+
+def test_finish_case_status():
+    ok = gcc.check("a", True)
+    bad = gcc.check("b", False)
+    note = gcc.check("c", False, required=False)
+    assert gcc.finish_case([ok, note], {}, [], "")["status"] == "pass"
+    assert gcc.finish_case([ok, bad], {}, [], "")["status"] == "fail"
+    assert gcc.finish_case([ok], {}, [], "", ["rank 0: boom"])["status"] == "error"
+    assert gcc.finish_case([], {}, [], "")["status"] == "error"
+
+
+def test_rank_env_keeps_multicast_off_and_drops_shim_variables(monkeypatch):
+    monkeypatch.setenv("FLASHINFER_SAFE_WORKSPACE", "1")
+    monkeypatch.setenv("FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB", "7")
+    env = gcc.rank_env(gcc.Ctx(), {"NCCL_NVLS_ENABLE": "1"})
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert not any(k.startswith("FLASHINFER_SAFE_WORKSPACE") for k in env)
+    env = gcc.rank_env(gcc.Ctx(), {"FLASHINFER_SAFE_WORKSPACE": "1"})
+    assert env["FLASHINFER_SAFE_WORKSPACE"] == "1"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_report_renders_the_sample_and_survives_missing_fields():
+    text = gpu_report.render(gpu_report.sample_results())
+    assert "## Command run on the GPU host" in text and "## Summary" in text
+    assert "fake" in text.lower()
+    broken = gpu_report.sample_results()
+    broken["cases"]["a"]["data"] = {"creation": "not a list"}
+    broken["env"] = None
+    text = gpu_report.render(broken)
+    assert "could not be rendered" in text or "## a." in text
+    assert gpu_report.summary_table(broken).startswith("case")
+
+
+def test_report_cli(tmp_path):
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(gpu_report.sample_results()))
+    out = tmp_path / "report.md"
+    assert gpu_report.main([str(src), "-o", str(out)]) == 0
+    assert out.read_text().startswith("# GPU check report")
+
+
+# --------------------------------------------------------------------------- the script
+
+
+def test_dry_run():
+    p = subprocess.run([sys.executable, SCRIPT, "--dry-run"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "case d:" in p.stdout and "report generator" in p.stdout
+
+
+def test_unknown_case_is_an_argument_error():
+    p = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--cases", "a,z"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown case" in p.stderr
+
+
+needs_flashinfer = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None or importlib.util.find_spec("torch") is None,
+    reason="the fake end-to-end run imports torch and FlashInfer (no GPU needed)")
+
+
+@needs_flashinfer
+def test_fake_end_to_end_starved_cases_and_a_killed_hang(tmp_path):
+    """b (shim: None / WorkspaceVetoed on both ranks) and c (no shim: warm -> both raise,
+    cold -> one rank blocked, killed at the bound) against the fakes, then the report."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, SCRIPT, "--fake", "--cases", "b,c", "--hang-bound", "6",
+                        "--budget", "300", "--out", str(out)],
+                       capture_output=True, text=True, timeout=400)
+    res = json.loads((out / "results.json").read_text())
+    assert res["fake"] is True
+    b, c = res["cases"]["b"], res["cases"]["c"]
+    assert b["status"] == "pass", (b["summary"], b["checks"], b["errors"], p.stdout[-3000:])
+    assert c["status"] == "pass", (c["summary"], c["checks"], c["errors"], p.stdout[-3000:])
+    cold = [row for row in c["data"]["rows"] if row["nccl"] == "cold"]
+    assert {row["outcome"]["kind"] for row in cold} == {"raised", "blocked"}
+    warm = [row for row in c["data"]["rows"] if row["nccl"] == "warm"]
+    assert {row["outcome"]["kind"] for row in warm} == {"raised"}
+    report = (out / "report.md").read_text()
+    assert "Before and after, same starvation" in report
+    assert "blocked >= 6 s (killed)" in report
+    assert p.returncode == 0, p.stdout[-3000:]
