@@ -137,6 +137,12 @@ def section_env(res: dict) -> list:
                      f"{mib(facts.get('multicast_granularity'))}, FABRIC supported "
                      f"{facts.get('fabric_supported')}, IMEX channel {facts.get('imex_channel')}, "
                      f"multicast supported {facts.get('multicast_supported')}"])
+    pre = res.get("preflight")
+    if isinstance(pre, dict):
+        rows.append(["FlashInfer trtllm_comm JIT module, first load (preflight)",
+                     f"{num(pre.get('wall_s'), '{:.1f} s')} (import {num(pre.get('import_s'), '{:.1f} s')}, "
+                     f"module {num(pre.get('module_s'), '{:.1f} s')})"
+                     + (f"; ERROR: {str(pre['error'])[-300:]}" if pre.get("error") else "")])
     envvars = env.get("env") or {}
     rows.append(["Relevant environment", ", ".join(f"{k}={v}" for k, v in sorted(envvars.items())
                                                    if k.startswith(("NCCL_", "TORCH_", "NVSHMEM_",
@@ -211,20 +217,28 @@ def render_a(case: dict) -> list:
                      "Shim decision", "Plan peak", "Free before", "Free used by the first creation",
                      "Not returned after full release"], rows), ""]
     arows = []
+    groups: dict = {}
     for row in d.get("accuracy") or []:
         outs = [(k, row[k]) for k in ("output", "residual_out", "norm_out") if isinstance(row.get(k), dict)]
-        for name, m in outs:
-            arows.append([row.get("pattern"), row.get("tokens"), row.get("rank"), name,
-                          num(m.get("rel_l2"), "{:.2e}"), num(m.get("max_abs"), "{:.3e}"),
-                          num(m.get("max_err_over_bound"), "{:.2f}"), m.get("nan"), m.get("n_outside"),
-                          "ok" if m.get("ok") else "FAIL"])
         if not outs:
             arows.append([row.get("pattern"), row.get("tokens"), row.get("rank"), "-", "", "", "", "",
                           esc(_get(row, "error", "type", default="no result")), "FAIL"])
+        for name, m in outs:  # one line per (pattern, tokens, output): the worst rank
+            g = groups.setdefault((row.get("pattern"), row.get("tokens"), name), [])
+            g.append((row.get("rank"), m))
+    for (pattern, tokens, name), items in groups.items():
+        worst = lambda key: max((m.get(key) for _, m in items if isinstance(m.get(key), (int, float))),  # noqa: E731
+                                default=None)
+        arows.append([pattern, tokens, ",".join(str(r) for r, _ in items), name,
+                      num(worst("rel_l2"), "{:.2e}"), num(worst("max_abs"), "{:.3e}"),
+                      num(worst("max_err_over_bound"), "{:.2f}"),
+                      sum(m.get("nan") or 0 for _, m in items),
+                      sum(m.get("n_outside") or 0 for _, m in items),
+                      "ok" if all(m.get("ok") for _, m in items) else "FAIL"])
     if arows:
         lines += ["Fused all-reduce results against float64:", "",
-                  table(["Pattern", "Tokens", "Rank", "Output", "‖err‖/‖ref‖", "max |err|",
-                         "max |err| / bound", "NaN", "Outside bound", ""], arows), "",
+                  table(["Pattern", "Tokens", "Ranks", "Output", "‖err‖/‖ref‖ (worst rank)",
+                         "max |err|", "max |err| / bound", "NaN", "Outside bound", ""], arows), "",
                   "Tolerance (bf16): elementwise |err| ≤ 1e-3 + 1.6e-2 · scale, where scale is "
                   "the magnitude of the operands (Σ|x_r| for the sum, plus |residual| for "
                   "residual_out, propagated through 1/rms and γ for norm_out), because a kernel may "
@@ -277,7 +291,7 @@ def render_c(case: dict, b_case: Optional[dict]) -> list:
     bound = d.get("bound_s", 60)
     variants = {v["nccl"]: v["leave_mb"] for v in d.get("variants") or []}
     lines = [f"The same starvation with the shim not installed (no `FLASHINFER_SAFE_WORKSPACE`, "
-             f"no `install()`): FlashInfer {''} 0.7.4 alone. Rank 0 is left "
+             f"no `install()`): FlashInfer 0.7.4 alone. Rank 0 is left "
              + ", ".join(f"{m} MiB with {n} NCCL" for n, m in variants.items())
              + f". Every run is bounded: a rank still inside the creation call after {bound:.0f} s "
              "is killed and reported as blocked. A rank that raised stays alive (as an engine "
@@ -358,20 +372,35 @@ def render_e(case: dict) -> list:
              "(`_decide.build_request`). NCCL was warm and the module loaded, so the free-memory "
              "change is the workspace alone.", ""]
     rows = []
+    by_shape: dict = {}
     for r in d.get("rows") or []:
-        rows.append([r.get("name"), r.get("rank"), f"{r.get('plan_rules')}/{r.get('plan_allocator')}",
-                     _mib_list(r.get("planned_cumemcreate")), _mib_list(r.get("actual_cumemcreate")),
-                     "yes" if r.get("cumemcreate_match") else "NO",
-                     "yes" if r.get("driver_sequence_match") else "NO",
-                     mib(r.get("plan_peak"), 3), mib(r.get("free_delta"), 3),
-                     signed_mib((r.get("free_delta") - r.get("plan_peak"))
-                                if isinstance(r.get("free_delta"), int) and isinstance(r.get("plan_peak"), int)
-                                else None, 3),
-                     num(r.get("torch_allocated_delta"), "{:.0f} B"),
-                     num(r.get("seconds"), "{:.3f} s")])
-    lines += [table(["Shape", "Rank", "Rules", "Planned cuMemCreate (MiB, handle)",
+        by_shape.setdefault(r.get("name"), []).append(r)
+    for name, items in by_shape.items():
+        first = items[0]
+        same = all(_mib_list(x.get("actual_cumemcreate")) == _mib_list(first.get("actual_cumemcreate"))
+                   and x.get("cumemcreate_match") == first.get("cumemcreate_match")
+                   and x.get("driver_sequence_match") == first.get("driver_sequence_match")
+                   for x in items)
+        for r in ([first] if same else items):
+            used = [x.get("free_delta") for x in (items if same else [r])]
+            used_txt = " / ".join(mib(u, 3) for u in used)
+            over = [(u - r.get("plan_peak")) if isinstance(u, int) and isinstance(r.get("plan_peak"), int)
+                    else None for u in used]
+            recorded = _mib_list(r.get("actual_cumemcreate"))
+            rows.append([name, ",".join(str(x.get("rank")) for x in items) if same else r.get("rank"),
+                         f"{r.get('plan_rules')}/{r.get('plan_allocator')}",
+                         _mib_list(r.get("planned_cumemcreate")),
+                         "= planned" if r.get("cumemcreate_match") else recorded,
+                         "yes" if r.get("cumemcreate_match") else "NO",
+                         "yes" if r.get("driver_sequence_match") else "NO",
+                         mib(r.get("plan_peak"), 3), used_txt,
+                         " / ".join(signed_mib(o, 3) for o in over),
+                         num(r.get("torch_allocated_delta"), "{:.0f} B"),
+                         " / ".join(num(x.get("seconds"), "{:.3f} s") for x in (items if same else [r]))])
+    lines += [table(["Shape", "Ranks", "Rules", "Planned cuMemCreate (MiB, handle)",
                      "Recorded cuMemCreate", "cuMemCreate equal", "cuMemAlloc/cudaMalloc equal",
-                     "Plan peak", "Free used", "Used − plan", "torch allocated", "Creation"], rows), ""]
+                     "Plan peak", "Free used (per rank)", "Used − plan", "torch allocated",
+                     "Creation (per rank)"], rows), ""]
     diffs = [r for r in d.get("rows") or [] if not (r.get("cumemcreate_match") and r.get("driver_sequence_match"))]
     for r in diffs[:6]:
         lines += [f"- {esc(r.get('name'))} rank {r.get('rank')}: first cuMemCreate difference "

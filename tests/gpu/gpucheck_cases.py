@@ -423,7 +423,9 @@ def case_c(ctx: Ctx) -> dict:
                          "text": describe_outcome(o, ctx.hang_bound_s)})
         state = first(run, 0, "shim_state") or {}
         checks.append(check(f"{nccl}: the shim was not active", state.get("wrapped") is False
-                            and state.get("imported") is False, json.dumps(state)))
+                            and state.get("imported") is False,
+                            f"imported {state.get('imported')}, wrapped {state.get('wrapped')}, "
+                            f"environment {state.get('env')}"))
         got = [row for row in rows if row["nccl"] == nccl]
         checks.append(check(f"{nccl}: outcome recorded on every rank",
                             len(got) == ctx.world_size and all(

@@ -30,6 +30,7 @@ from gpucheck_common import (  # noqa: E402  (never imports flashinfer_safe_work
     make_device,
     release_workspace,
     run_main,
+    settle,
     unified_kwargs,
 )
 
@@ -62,6 +63,7 @@ def case_h(args):
     import flashinfer.comm as comm
     from flashinfer.comm import allreduce, trtllm_ar
 
+    settle()
     fn = comm.create_allreduce_fusion_workspace
     module = sys.modules.get("flashinfer_safe_workspace")
     emit("activation", **AT_START,

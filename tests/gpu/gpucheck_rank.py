@@ -27,6 +27,7 @@ from gpucheck_common import (  # noqa: E402
     make_device,
     release_workspace,
     run_main,
+    settle,
     unified_kwargs,
     unwrap,
 )
@@ -47,8 +48,11 @@ def shim_install(**overrides):
         gpucheck_fake.install_prober()
     import dataclasses
 
+    import flashinfer.comm  # noqa: F401  (wrapped on import)
+
     emit("shim", installed=fiws.is_installed(), version=fiws.__version__,
          file=fiws.__file__, settings=dataclasses.asdict(_config.current()))
+    settle()
     return fiws
 
 
@@ -305,6 +309,7 @@ def case_c(args):
     group = Group(args, dev)
     import flashinfer.comm as comm
 
+    settle()
     fn = comm.create_allreduce_fusion_workspace
     emit("shim_state", imported="flashinfer_safe_workspace" in sys.modules,
          wrapped=bool(getattr(fn, "_self_flashinfer_safe_workspace", False)),
@@ -344,6 +349,9 @@ def case_d(args):
     with Call("warm-up: module + NCCL"):
         dev.preload_flashinfer_module()
         group.warm_nccl()
+    if p["points"]:  # imports the plan's modules before the gc freeze
+        plan_for("unified", wrapped, unified_kwargs(p["points"][0]["shape"], rank, world))
+    settle()
     starve = p["starve_rank"]
     for point in p["points"]:
         idx, shape, delta = point["idx"], point["shape"], int(point["delta_mb"])
@@ -534,6 +542,7 @@ def case_e(args):
     with Call("warm-up: module + NCCL"):
         dev.preload_flashinfer_module()
         group.warm_nccl()
+    settle()
     for item in p["shapes"]:
         name, entry, shape = item["name"], item["entry"], item["shape"]
         if entry == "unified":
@@ -671,6 +680,7 @@ def case_g(args):
 
     for label, fn in (("warm-up on", wrapped), ("warm-up off", original)):
         emit("warmup", label=label, **one(fn, label))
+    settle()
     rows = []
     for i in range(int(p["n"])):
         order = ("on", "off") if i % 2 == 0 else ("off", "on")

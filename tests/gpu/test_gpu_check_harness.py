@@ -221,3 +221,90 @@ def test_fake_end_to_end_starved_cases_and_a_killed_hang(tmp_path):
     assert "Before and after, same starvation" in report
     assert "blocked >= 6 s (killed)" in report
     assert p.returncode == 0, p.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- rank-side pieces
+# (with cuda-python's real types, and driver calls answered here: no driver needed)
+
+needs_cuda_python = pytest.mark.skipif(importlib.util.find_spec("cuda") is None,
+                                       reason="needs cuda-python (its types, not a driver)")
+
+
+class _DriverCalls:
+    """cuda.bindings.driver with the allocation calls answered from a byte counter."""
+
+    def __init__(self, free: int, fail_above: int = 1 << 62):
+        from cuda.bindings import driver
+
+        self.real, self.free, self.fail_above = driver, free, fail_above
+        self.live, self.next = {}, 1
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def cuInit(self, flags):
+        return (self.real.CUresult.CUDA_SUCCESS,)
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        assert prop.location.id in (0, 1) and int(prop.requestedHandleTypes) != 0
+        return (self.real.CUresult.CUDA_SUCCESS, 2 * MiB)
+
+    def cuMemCreate(self, size, prop, flags):
+        if size > self.free or size > self.fail_above:
+            return (self.real.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+        self.free -= size
+        hid = self.next
+        self.next += 1
+        self.live[hid] = size
+        return (self.real.CUresult.CUDA_SUCCESS, self.real.CUmemGenericAllocationHandle(hid))
+
+    def cuMemRelease(self, handle):
+        self.free += self.live.pop(int(handle))
+        return (self.real.CUresult.CUDA_SUCCESS,)
+
+    def cuMemAlloc(self, size):
+        return (self.real.CUresult.CUDA_SUCCESS, self.real.CUdeviceptr(4096))
+
+
+@needs_cuda_python
+@pytest.mark.parametrize("fail_above", [1 << 62, 3 * (1 << 30)])
+def test_hog_leaves_the_target_on_the_granularity_grid(fail_above):
+    import gpucheck_common
+
+    drv = _DriverCalls(free=150 * (1 << 30) + 3 * MiB + 12345, fail_above=fail_above)
+    device = type("Dev", (), {"rank": 0, "free": lambda self: drv.free})()
+    hog = gpucheck_common.Hog(device, drv=drv)
+    left = hog.fill(134 * MiB + 124)
+    assert 134 * MiB + 124 <= left < 136 * MiB + 124
+    assert int(hog.prop.requestedHandleTypes) == int(
+        drv.real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    assert hog.prop.allocFlags.gpuDirectRDMACapable == 1 and hog.prop.location.id == 0
+    left = hog.set(64 * MiB)
+    assert 64 * MiB <= left < 66 * MiB
+    hog.release()
+    assert drv.free == 150 * (1 << 30) + 3 * MiB + 12345 and not drv.live
+
+
+@needs_cuda_python
+def test_driver_recorder_records_and_delegates():
+    import gpucheck_rank
+
+    drv = _DriverCalls(free=1 << 40)
+    events = []
+    rec = gpucheck_rank._DriverRecorder(drv, events)
+    prop = drv.real.CUmemAllocationProp()
+    prop.requestedHandleTypes = drv.real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+    err, handle = rec.cuMemCreate(34 * MiB, prop, 0)
+    assert int(err) == 0
+    rec.cuMemRelease(handle)
+    prop.requestedHandleTypes = drv.real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    rec.cuMemCreate(34 * MiB, prop, 0)
+    rec.cuMemAlloc(16)
+    assert rec.CUresult is drv.real.CUresult  # everything else is the real module's
+    assert [(e["api"], e.get("size"), e.get("handle")) for e in events] == [
+        ("cuMemCreate", 34 * MiB, "fabric"), ("cuMemRelease", None, None),
+        ("cuMemCreate", 34 * MiB, "posix"), ("cuMemAlloc", 16, None)]
+    cmp_ = gcc.compare_plan(_plan(("b", 34 * MiB, "cuMemCreate", "fabric", False),
+                                  ("b", 34 * MiB, "cuMemCreate", "posix", True),
+                                  ("b.uc", 16, "cuMemAlloc", None, True)), events)
+    assert cmp_["cumemcreate_match"] and cmp_["driver_sequence_match"], cmp_
