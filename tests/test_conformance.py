@@ -55,6 +55,7 @@ def installed():
         yield rec, keep
         keep.clear()
         gc.collect()
+    runner.reset_confidential_compute_cache(flashinfer)  # env restored: forget our answers
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from flashinfer_safe_workspace._plan import Facts, PassThrough, Plan, Request, Unplanned, make_plan
+from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned, make_plan
 
 from .standins import Case, FakeComm, Recorder
 
@@ -116,8 +116,11 @@ def _case_and_facts(spec: Spec) -> tuple:
 
 def _set_confidential_compute(flashinfer, on: bool) -> None:
     os.environ["FLASHINFER_CONFIDENTIAL_COMPUTE"] = "1" if on else "0"
-    utils = getattr(flashinfer, "utils", None)
-    fn = getattr(utils, "is_confidential_compute", None)
+    reset_confidential_compute_cache(flashinfer)
+
+
+def reset_confidential_compute_cache(flashinfer) -> None:
+    fn = getattr(getattr(flashinfer, "utils", None), "is_confidential_compute", None)
     if fn is not None and hasattr(fn, "cache_clear"):
         fn.cache_clear()
 
