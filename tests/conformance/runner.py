@@ -47,6 +47,9 @@ ENTRIES = {
     "mnnvl-cc": ("unified", "mnnvl", {"cc": True}),
     "auto-all-multicast": ("unified", "auto", {"peers": True}),
     "auto-peer-without-multicast": ("unified", "auto", {"peers": False}),
+    # FlashInfer rejects every grid case before allocating (tp size, dtype, or no
+    # Blackwell GPU; "unknown backend" before 0.7.2.post1): checks nothing is allocated.
+    "mnnvl-cutedsl": ("unified", "mnnvl-cutedsl", {}),
     "legacy": ("legacy", "trtllm", {"create_metadata": True}),
     "legacy-no-metadata": ("legacy", "trtllm", {}),
     "legacy-symm": ("legacy", "trtllm", {"use_symm_dev_mem": True, "create_metadata": True}),
@@ -133,12 +136,15 @@ def call_flashinfer(flashinfer, spec: Spec, case: Case):
     if entry == "unified":
         kwargs = dict(backend=backend, world_size=spec.world_size, rank=spec.rank,
                       max_token_num=spec.tokens, hidden_dim=spec.hidden,
-                      dtype=DTYPES[spec.dtype], comm_backend=comm,
+                      dtype=DTYPES[spec.dtype],
                       force_oneshot_support=bool(opts.get("force_oneshot_support")))
+        cutedsl = backend == "mnnvl-cutedsl"
+        if not cutedsl:  # mnnvl-cutedsl refuses comm_backend (it uses a process group)
+            kwargs["comm_backend"] = comm
         req = Request("unified", backend, spec.world_size, spec.rank, spec.tokens,
                       spec.hidden, spec.dtype,
                       force_oneshot_support=bool(opts.get("force_oneshot_support")),
-                      has_comm_backend=True)
+                      has_comm_backend=not cutedsl)
         fn = getattr(comm_mod, "create_allreduce_fusion_workspace", None)
     else:
         fn = comm_mod.trtllm_create_ipc_workspace_for_all_reduce_fusion
