@@ -22,7 +22,20 @@ import pytest
 import flashinfer_safe_workspace
 
 TIMEOUT = 180
-SRC = str(Path(flashinfer_safe_workspace.__file__).resolve().parent.parent)
+PKG = Path(flashinfer_safe_workspace.__file__).resolve().parent
+
+
+def package_only_dir() -> Path:
+    """A directory holding only this package (a symlink): on ``PYTHONPATH`` under ``-S`` it
+    brings the package without the rest of its site-packages (cuda-python 13 among it)."""
+    root = _cache() / "package-only"
+    root.mkdir(parents=True, exist_ok=True)
+    link = root / PKG.name
+    if not (link.is_symlink() and link.resolve() == PKG):
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(PKG, target_is_directory=True)
+    return root
 
 
 def _cache() -> Path:
@@ -204,7 +217,7 @@ def _cuda12_env():
     # -S keeps site-packages (and its cuda-python 13) off sys.path: only the 12.x
     # install and this package's source tree are importable, plus the stdlib.
     target = pip_target("cuda-python==12.4.0")
-    return _env([target, SRC])
+    return _env([target, package_only_dir()])
 
 
 def test_cuda_python_12_uses_cuda_cuda_and_fails_cleanly_without_driver():
