@@ -326,8 +326,10 @@ def render_c(case: dict, b_case: Optional[dict]) -> list:
 
 def render_d(case: dict) -> list:
     d = case.get("data") or {}
+    deltas = sorted({p.get("delta_mb") for p in d.get("points") or [] if isinstance(p.get("delta_mb"), int)})
     lines = [f"Rank 0 is starved so that the free memory left is plan peak + headroom + δ, for "
-             f"δ = −2, 0 and +2 MiB, with `install(headroom_mb={d.get('headroom_mb')})` so that the "
+             f"δ = {', '.join(f'{x:+d}' for x in deltas)} MiB, with "
+             f"`install(headroom_mb={d.get('headroom_mb')})` so that the "
              "sweep tests the plan itself. NCCL is warm and FlashInfer's trtllm module and "
              "Lamport kernel are loaded before starving, so that only the workspace needs memory. "
              "After a veto, FlashInfer is called unprotected at the same leftover to find false "
@@ -340,11 +342,13 @@ def render_d(case: dict) -> list:
         rows.append([p.get("idx"), p.get("shape_name"), f"{p.get('delta_mb'):+d}" if isinstance(p.get("delta_mb"), int) else "n/a",
                      mib(p.get("plan_peak"), 3), mib(p.get("need"), 3), mib(p.get("free_before"), 3),
                      mib(p.get("probe_free"), 3), signed_mib(p.get("margin"), 3),
-                     p.get("expected") or "n/a", p.get("shim") or "n/a", p.get("unprotected") or "-",
+                     p.get("expected") or "n/a", p.get("per_rank") or p.get("shim") or "n/a",
+                     p.get("unprotected") or "-",
                      p.get("verdict"),
                      {True: "yes", False: "NO", None: "n/a"}[p.get("as_planned")]])
     lines += [table(["#", "Shape", "δ MiB", "Plan peak", "Plan + headroom", "Free before (rank 0)",
-                     "Free at probe", "Margin", "Plan says", "Shim", "FlashInfer alone",
+                     "Free at probe", "Margin", "Plan says", "With the shim (per rank)",
+                     "FlashInfer alone (after a veto)",
                      "Verdict", "As planned"], rows), ""]
     lines += ["**For a user:** a false pass (the shim lets the call through and FlashInfer then "
               "fails) would bring the hang back; a false veto costs the fused path although it "

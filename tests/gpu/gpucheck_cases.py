@@ -555,8 +555,19 @@ def _summarise_point(p: dict, ctx: Ctx) -> dict:
                margin=(free_probe - need) if isinstance(free_probe, int) and isinstance(need, int)
                else None,
                expected=expected, ranks={str(k): v for k, v in ranks.items()})
+    per = []
+    for r in range(ctx.world_size):
+        x = ranks.get(r, {})
+        text = x.get("shim") or "not reached"
+        if x.get("shim") == "flashinfer_error":
+            text = f"raised {(x.get('shim_error') or {}).get('type', '?').rsplit('.', 1)[-1]}"
+        elif x.get("shim") == "blocked":
+            text = f"blocked {x.get('blocked_s') or 0:.0f} s (killed)"
+        per.append(f"r{r} {text}")
+    out["per_rank"] = ", ".join(per)
     out["verdict"] = classify_point(out)
-    decided = {"created": "pass", "vetoed": "veto"}.get(shim)
+    decided = {"created": "pass", "vetoed": "veto", "flashinfer_error": "pass",
+               "blocked": "pass"}.get(shim)
     out["as_planned"] = (decided == expected) if decided and expected else None
     return out
 

@@ -5,11 +5,12 @@ What is faked, per rank process:
 - the world process group runs on gloo instead of NCCL; "NCCL" costs
   ``NCCL_INIT_BYTES`` at its first collective, and a rank that lacks them raises
   there while its peer blocks in the collective (FlashInfer 0.7.4's cold-NCCL hang);
-- FlashInfer's workspace class behind the real ``create_allreduce_fusion_workspace``,
-  and the legacy creation function: they follow 0.7.4's allocation sequence (B4:
-  FABRIC attempt, released, then POSIX; a vote after each attempt) through
-  ``flashinfer.comm.mnnvl.cuda`` and ``flashinfer.comm.trtllm_ar.cudart``, which are
-  replaced by fakes (so the recorder of case e wraps them as it wraps the real ones);
+- the body of FlashInfer's legacy creation function (the real unified function, the
+  real ``TRTLLMAllReduceFusionWorkspace`` and every binding of the legacy function,
+  wrapped by the shim or not, stay FlashInfer's): it follows 0.7.4's allocation
+  sequence (B4: FABRIC attempt, released, then POSIX; a vote after each attempt)
+  through ``flashinfer.comm.mnnvl.cuda`` and ``flashinfer.comm.trtllm_ar.cudart``,
+  which are replaced by fakes (so case e's recorder wraps them as it wraps the real ones);
 - ``allreduce_fusion`` (gloo all-reduce, then the residual + RMSNorm on the CPU);
 - the shim's probe (a ``SimulatedDevice`` reading the fake free bytes).
 
@@ -228,14 +229,22 @@ def _collective(obj):
     return out
 
 
+# Device memory the driver takes per mapped buffer beyond the allocation (page tables):
+# not in the plan, not voted on by FlashInfer. 0 by default; the harness tests set it
+# to make a false pass (and the peer's hang) happen on purpose.
+MAP_BYTES = int(os.environ.get("GPUCHECK_FAKE_MAP_BYTES", "0"))
+
+
 class _FakeSymm:
-    def __init__(self, drv, handle, ptr):
-        self.drv, self.handle, self.ptr = drv, handle, ptr
+    def __init__(self, drv, handle, ptr, mapped=None):
+        self.drv, self.handle, self.ptr, self.mapped = drv, handle, ptr, mapped
 
     def __del__(self):
         try:
             self.drv.cuMemFree(self.ptr)
             self.drv.cuMemRelease(self.handle)
+            if self.mapped is not None:
+                _device.gpu.release(self.mapped)
         except Exception:
             pass
 
@@ -281,11 +290,17 @@ def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=Fa
     for size in (buffer_size, flag_size, 3 * lamport_comm):
         alloc = _ru(_ru(size, 16) + SIGNAL_PAD, GRAN)
         handle = _b4_alloc(drv, alloc)
+        mapped = None
+        if MAP_BYTES:  # cuMemMap/cuMemSetAccess after the vote: a failure here is one-sided
+            mapped = _device.gpu.create(MAP_BYTES)
+            if mapped is None:
+                drv.cuMemRelease(handle)
+                raise RuntimeError("CUDA error code=2(CUDA_ERROR_OUT_OF_MEMORY)")
         result = drv.cuMemAlloc(8 * tp_size)
         if int(result[0]) != 0:
             drv.cuMemRelease(handle)
             raise RuntimeError(f"CUDA error code={int(result[0])}({result[0].name})")
-        refs.append(_FakeSymm(drv, handle, result[1]))
+        refs.append(_FakeSymm(drv, handle, result[1], mapped))
         ipc.append([handle * 1000 + r for r in range(tp_size)])
     trtllm_ar._symm_workspace_refs[id(ipc)] = refs
     cudart.cudaMalloc(20)
@@ -298,28 +313,15 @@ def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=Fa
     return ipc, None, list(refs), metadata
 
 
-class FakeTRTLLMWorkspace:
-    def __init__(self, tp_size, tp_rank, max_token_num, hidden_dim, dtype=None,
-                 comm_backend=None, group=None):
-        import torch
+def _legacy_body(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=False,
+                 group=None, create_metadata=False, comm_backend=None, use_symm_dev_mem=False):
+    """Becomes the code of FlashInfer's own legacy function (see ``activate``): it runs
+    with that function's globals, hence the import."""
+    import gpucheck_fake
 
-        self.world_size, self.rank = tp_size, tp_rank
-        self._destroyed = False
-        self._internal_workspace = fake_legacy(
-            tp_rank, tp_size, max_token_num, hidden_dim, dtype == torch.float32,
-            group, True, comm_backend, True)
-        (self.ipc_handles, self.workspace_tensor, self.mem_handles,
-         self.metadata) = self._internal_workspace
-
-    @property
-    def backend(self):
-        return "trtllm"
-
-    def destroy(self):
-        if self._destroyed:
-            return
-        del self.ipc_handles, self.workspace_tensor, self.mem_handles, self.metadata
-        self._destroyed = True
+    return gpucheck_fake.fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim,
+                                     use_fp32_lamport, group, create_metadata, comm_backend,
+                                     use_symm_dev_mem)
 
 
 def fake_allreduce_fusion(input, workspace, pattern, launch_with_pdl=False,
@@ -354,9 +356,14 @@ def activate(device) -> None:
     mnnvl.cuda = FakeDriver(device.gpu)
     trtllm_ar.cudart = FakeCudart(device.gpu)
     trtllm_ar.trtllm_lamport_initialize = lambda *a, **k: None
-    allreduce.TRTLLMAllReduceFusionWorkspace = FakeTRTLLMWorkspace
-    fake_legacy.__signature__ = inspect.signature(
-        trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion)
+    # FlashInfer's own legacy function object gets the fake's code, so that every binding
+    # (flashinfer.comm, .allreduce, .trtllm_ar; wrapped by the shim or not) and the real
+    # TRTLLMAllReduceFusionWorkspace -> legacy call path run unchanged around it.
+    inner = inspect.unwrap(trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion)
+    if inner.__code__ is not _legacy_body.__code__:
+        assert inner.__code__.co_varnames[:9] == _legacy_body.__code__.co_varnames[:9], \
+            "FlashInfer's legacy signature changed"
+        inner.__code__ = _legacy_body.__code__
     for module in (comm, allreduce):
         module.allreduce_fusion = fake_allreduce_fusion
     if "flashinfer_safe_workspace" in sys.modules:
@@ -387,10 +394,6 @@ def install_prober() -> None:
                                        current_device=gpu.rank)
 
     _probe.set_prober(FakeProber(gpu.free(), total_bytes=gpu.total, device=gpu.rank))
-
-
-def legacy_function():
-    return fake_legacy
 
 
 if os.environ.get("GPUCHECK_FAKE") != "1":  # a guard against importing this by mistake

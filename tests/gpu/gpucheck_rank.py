@@ -36,11 +36,16 @@ from gpucheck_common import (  # noqa: E402
 # --------------------------------------------------------------------------- helpers
 
 
+_overrides: dict = {}
+
+
 def shim_install(**overrides):
     """Activate the shim explicitly (install()), with fakes wired in on CPU."""
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace import _config
 
+    _overrides.clear()
+    _overrides.update(overrides)
     fiws.install(**overrides)
     if os.environ.get("GPUCHECK_FAKE") == "1":
         import gpucheck_fake
@@ -57,18 +62,33 @@ def shim_install(**overrides):
 
 
 def set_on_veto(fiws, **overrides):
-    fiws.install(**overrides)
+    _overrides.update(overrides)
+    fiws.install(**_overrides)
     if os.environ.get("GPUCHECK_FAKE") == "1":
         import gpucheck_fake
 
         gpucheck_fake.install_prober()
 
 
-def legacy_function():
-    if os.environ.get("GPUCHECK_FAKE") == "1":
-        import gpucheck_fake
+class shim_off:
+    """FlashInfer without the shim, in a process where it is installed: uninstall() puts
+    FlashInfer's functions back in every namespace (calling ``__wrapped__`` of the unified
+    proxy alone is not enough: FlashInfer's unified function calls the legacy function
+    through its wrapped binding, which would probe and vote), install() again after."""
 
-        return gpucheck_fake.legacy_function()
+    def __enter__(self):
+        import flashinfer_safe_workspace as fiws
+
+        self.fiws = fiws
+        fiws.uninstall()
+        return self
+
+    def __exit__(self, *exc):
+        set_on_veto(self.fiws)
+        return False
+
+
+def legacy_function():
     import flashinfer.comm as comm
 
     return unwrap(comm.trtllm_create_ipc_workspace_for_all_reduce_fusion)
@@ -387,9 +407,10 @@ def case_d(args):
             free2 = dev.free()
             group.barrier()
             ws2 = None
-            with Call(f"unprotected#{idx}", idx=idx, kind="unprotected") as c2:
-                ws2 = original(**kw)
-                c2.result_note = describe(ws2)
+            with shim_off():
+                with Call(f"unprotected#{idx}", idx=idx, kind="unprotected") as c2:
+                    ws2 = original(**kw)
+                    c2.result_note = describe(ws2)
             emit("point_unprotected", idx=idx, free_before=free2,
                  outcome="created" if ws2 is not None else "flashinfer_error",
                  error=c2.error, seconds=c2.seconds)
@@ -663,10 +684,17 @@ def case_g(args):
         clear_report()
         group.barrier()
         ws = None
-        with Call(label) as c:
-            t0 = time.perf_counter()
-            ws = fn(**kw)
-            seconds = time.perf_counter() - t0
+        off = shim_off() if fn is original else None
+        if off is not None:
+            off.__enter__()
+        try:
+            with Call(label) as c:
+                t0 = time.perf_counter()
+                ws = fn(**kw)
+                seconds = time.perf_counter() - t0
+        finally:
+            if off is not None:
+                off.__exit__(None, None, None)
         report = last_report()
         if ws is not None:
             dev.sync()

@@ -308,3 +308,27 @@ def test_driver_recorder_records_and_delegates():
                                   ("b", 34 * MiB, "cuMemCreate", "posix", True),
                                   ("b.uc", 16, "cuMemAlloc", None, True)), events)
     assert cmp_["cumemcreate_match"] and cmp_["driver_sequence_match"], cmp_
+
+
+@needs_flashinfer
+def test_fake_sweep_false_pass_hang_is_killed_and_the_sweep_resumes(tmp_path):
+    """d against fakes whose mappings take 900 KiB each that no plan counts: at +0 MiB
+    (136 MiB free for 134 MiB planned) the shim passes, the starved rank runs out at the
+    third mapping, after FlashInfer's vote, and its peer blocks: the harness reports a
+    FALSE PASS, kills the run and resumes with the next point."""
+    out = tmp_path / "out"
+    shape = {"T": 2048, "H": 4096, "dtype": "bfloat16"}
+    points = [{"idx": i, "shape_name": "E1", "shape": shape, "delta_mb": d}
+              for i, d in enumerate((-2, 0, 8))]
+    env = dict(os.environ, GPUCHECK_FAKE_MAP_BYTES=str(900 * 1024))
+    p = subprocess.run([sys.executable, SCRIPT, "--fake", "--cases", "d", "--sweep-hang-bound", "5",
+                        "--budget", "300", "--out", str(out),
+                        "--override", json.dumps({"d": {"points": points}})],
+                       capture_output=True, text=True, timeout=400, env=env)
+    d = json.loads((out / "results.json").read_text())["cases"]["d"]
+    verdicts = [pt["verdict"] for pt in d["data"]["points"]]
+    assert verdicts[0] == "veto, FlashInfer alone raised", (verdicts, p.stdout[-3000:])
+    assert verdicts[1] == "FALSE PASS: shim let it through, FlashInfer blocked", (verdicts, p.stdout[-3000:])
+    assert verdicts[2] == "pass, FlashInfer succeeded", (verdicts, p.stdout[-3000:])
+    assert d["data"]["runs"] == 2 and d["status"] == "fail"
+    assert "FALSE PASS" in (out / "report.md").read_text()
