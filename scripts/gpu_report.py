@@ -530,12 +530,20 @@ def section_appendix(res: dict) -> list:
                          "; ".join(f"rank {h['rank']} in {h['label']} {h['blocked_s']:.0f} s"
                                    for h in (hang or {}).get("ranks", [])) or "-",
                          ", ".join(f"r{r['rank']}:{'done' if r.get('done') else ('killed' if r.get('killed') else r.get('returncode'))}"
-                                   for r in run.get("ranks") or [])])
+                                   for r in run.get("ranks") or []),
+                         _gpus_after(run.get("gpus_after"))])
     lines += [table(["Case", "Run", "Wall", "Bound", "Timed out", "Blocked calls (killed)",
-                     "Rank processes"], rows), "",
+                     "Rank processes", "GPU memory used after (nvidia-smi)"], rows), "",
               "Full rank stderr is in `ranks.log` beside `results.json`; each run's last 60 "
               "stderr lines per rank are in the JSON.", ""]
     return lines
+
+
+def _gpus_after(info) -> str:
+    if not isinstance(info, dict) or not info.get("used_mib"):
+        return "n/a"
+    return (" / ".join(f"{u} MiB" for u in info["used_mib"])
+            + (f" (waited {info.get('waited_s', 0):.1f} s)" if (info.get("waited_s") or 0) >= 1 else ""))
 
 
 RENDERERS = {"a": render_a, "b": render_b, "d": render_d, "e": render_e, "f": render_f,

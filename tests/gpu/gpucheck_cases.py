@@ -217,12 +217,13 @@ def run_pair(ctx: Ctx, case: str, params: dict, *, timeout: float, script: str =
             r.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-    # let the reader threads drain the pipes; after a kill, let the driver tear the
-    # killed processes' contexts down before the next run measures free memory
-    time.sleep(1.5 if any(r.killed for r in ranks) and not ctx.fake else 0.2)
+    time.sleep(0.2)  # let the reader threads drain the pipes
+    # the next run must find the GPUs empty: a killed rank's memory (a whole-GPU hog)
+    # is freed by the driver as its process is torn down, not necessarily at once
+    idle = None if ctx.fake else wait_gpus_idle(30.0 if any(r.killed for r in ranks) else 10.0)
     out = {"case": case, "tag": tag, "params": params, "port": port,
            "wall_s": time.monotonic() - start, "timeout_s": timeout, "timed_out": timed_out,
-           "hang": hang, "ranks": []}
+           "hang": hang, "gpus_after": idle, "ranks": []}
     ctx.runs.append(out)
     for r in ranks:
         with r.lock:
@@ -232,6 +233,27 @@ def run_pair(ctx: Ctx, case: str, params: dict, *, timeout: float, script: str =
             "done": any(e.get("ev") == "done" for e in events), "events": events,
             "stderr_tail": list(r.stderr)[-60:], "stdout_other": list(r.stdout_other)[-20:]})
     return out
+
+
+def gpu_memory_used() -> Optional[list]:
+    """MiB in use per GPU, from nvidia-smi (a read-only query; no CUDA context here)."""
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=15)
+        return [int(x.strip()) for x in p.stdout.split() if x.strip().isdigit()] or None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def wait_gpus_idle(timeout: float, limit_mib: int = 4096) -> dict:
+    """Wait (bounded) until every GPU uses less than ``limit_mib``."""
+    start = time.monotonic()
+    used = gpu_memory_used()
+    while used and max(used) >= limit_mib and time.monotonic() - start < timeout:
+        time.sleep(0.5)
+        used = gpu_memory_used()
+    return {"used_mib": used, "waited_s": time.monotonic() - start,
+            "idle": bool(used) and max(used) < limit_mib}
 
 
 # --------------------------------------------------------------------------- event helpers
