@@ -854,6 +854,10 @@ def case_g(ctx: Ctx) -> dict:
                             f"on {len(on)}, off {len(off)}"))
         checks.append(check(f"rank {r}: every starved call vetoed ({params['n_veto']})",
                             per_rank[-1]["veto_all_none"] and len(vrows) >= params["n_veto"]))
+        offr = [x for x in rows if x["mode"] == "off"]
+        checks.append(check(f"rank {r}: the 'off' creations made no shim decision (FlashInfer "
+                            "alone, legacy binding included)",
+                            bool(offr) and all(x.get("vote") is None for x in offr)))
     def ms(v):
         return f"{v * 1000:.1f} ms" if isinstance(v, (int, float)) else "n/a"
 

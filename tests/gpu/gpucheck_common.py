@@ -297,8 +297,8 @@ def legacy_kwargs(shape: dict, rank: int, world_size: int) -> dict:
 
 def unwrap(fn):
     """FlashInfer's own function behind the shim's wrapt proxy (if any)."""
-    if getattr(fn, "_self_flashinfer_safe_workspace", False):
-        return fn.__wrapped__
+    while getattr(fn, "_self_flashinfer_safe_workspace", False):
+        fn = fn.__wrapped__
     return fn
 
 

@@ -71,20 +71,37 @@ def set_on_veto(fiws, **overrides):
 
 
 class shim_off:
-    """FlashInfer without the shim, in a process where it is installed: uninstall() puts
-    FlashInfer's functions back in every namespace (calling ``__wrapped__`` of the unified
-    proxy alone is not enough: FlashInfer's unified function calls the legacy function
-    through its wrapped binding, which would probe and vote), install() again after."""
+    """FlashInfer without the shim, in a process where it is installed.
+
+    Every ``flashinfer.*`` binding that holds one of the shim's proxies gets FlashInfer's
+    function back for the duration, and the proxy again afterwards. Calling the unified
+    proxy's ``__wrapped__`` alone is not enough: FlashInfer's unified function calls the
+    legacy function through its (wrapped) binding in ``flashinfer.comm.allreduce``, which
+    would probe and vote. ``uninstall()`` is not used either: it misses bindings that
+    took the proxy by ``from ... import`` after the import hook wrapped the defining module
+    (tests/test_compat.py's xfail), which is exactly ``allreduce``'s binding here."""
+
+    NAMES = ("create_allreduce_fusion_workspace",
+             "trtllm_create_ipc_workspace_for_all_reduce_fusion")
 
     def __enter__(self):
-        import flashinfer_safe_workspace as fiws
-
-        self.fiws = fiws
-        fiws.uninstall()
+        self.swapped = []
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == "flashinfer" or name.startswith("flashinfer.")):
+                continue
+            for attr in self.NAMES:
+                proxy = getattr(module, "__dict__", {}).get(attr)
+                if getattr(proxy, "_self_flashinfer_safe_workspace", False):
+                    original = unwrap(proxy)
+                    setattr(module, attr, original)
+                    self.swapped.append((module, attr, proxy, original))
         return self
 
     def __exit__(self, *exc):
-        set_on_veto(self.fiws)
+        for module, attr, proxy, original in reversed(self.swapped):
+            if module.__dict__.get(attr) is original:
+                setattr(module, attr, proxy)
+        self.swapped = []
         return False
 
 

@@ -332,3 +332,34 @@ def test_fake_sweep_false_pass_hang_is_killed_and_the_sweep_resumes(tmp_path):
     assert verdicts[2] == "pass, FlashInfer succeeded", (verdicts, p.stdout[-3000:])
     assert d["data"]["runs"] == 2 and d["status"] == "fail"
     assert "FALSE PASS" in (out / "report.md").read_text()
+
+
+SHIM_OFF_PROBE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import flashinfer_safe_workspace as fiws
+fiws.install()                      # before FlashInfer is imported: the import hooks wrap
+import flashinfer.comm as comm
+from flashinfer.comm import allreduce, trtllm_ar
+import gpucheck_rank
+
+def ours(fn):
+    return bool(getattr(fn, "_self_flashinfer_safe_workspace", False))
+
+names = [(m, a) for m in (comm, allreduce, trtllm_ar) for a in gpucheck_rank.shim_off.NAMES
+         if a in m.__dict__]
+before = [ours(m.__dict__[a]) for m, a in names]
+with gpucheck_rank.shim_off():
+    during = [ours(m.__dict__[a]) for m, a in names]
+after = [ours(m.__dict__[a]) for m, a in names]
+print(before, during, after)
+assert all(before) and not any(during) and all(after), (before, during, after)
+"""
+
+
+@needs_flashinfer
+def test_shim_off_unwraps_every_binding_including_from_imports():
+    p = subprocess.run([sys.executable, "-c", SHIM_OFF_PROBE, HERE], capture_output=True,
+                       text=True, timeout=120, env={k: v for k, v in os.environ.items()
+                                                    if not k.startswith("FLASHINFER_SAFE")})
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
