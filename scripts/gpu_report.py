@@ -343,7 +343,8 @@ def render_d(case: dict) -> list:
                      mib(p.get("plan_peak"), 3), mib(p.get("need"), 3), mib(p.get("free_before"), 3),
                      mib(p.get("probe_free"), 3), signed_mib(p.get("margin"), 3),
                      p.get("expected") or "n/a", p.get("per_rank") or p.get("shim") or "n/a",
-                     p.get("unprotected") or "-",
+                     {"flashinfer_error": "raised", "created": "created", "blocked": "blocked (killed)",
+                      None: "-"}.get(p.get("unprotected"), p.get("unprotected")),
                      p.get("verdict"),
                      {True: "yes", False: "NO", None: "n/a"}[p.get("as_planned")]])
     lines += [table(["#", "Shape", "δ MiB", "Plan peak", "Plan + headroom", "Free before (rank 0)",
