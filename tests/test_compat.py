@@ -152,9 +152,6 @@ def test_wrapt_versions_wrap_and_preserve_signature(which, pure):
     assert out["legacy"] == "WorkspaceVetoed"
 
 
-@pytest.mark.xfail(reason="uninstall() misses bindings that took the proxy by `from ... import` "
-                   "after the defining module was wrapped by the import hook (reported)",
-                   strict=False)
 def test_uninstall_after_hook_install_restores_every_binding():
     out = run_json(WRAPT_CHECK, _env([], FLASHINFER_SAFE_WORKSPACE="1"))
     assert out["restored"] is True

@@ -23,7 +23,6 @@ KNOWN_ALIASES = ("flashinfer.comm", "flashinfer.comm.allreduce", "flashinfer.com
 
 _lock = threading.RLock()
 _proxies: dict = {}  # name -> (original, proxy)
-_installed: list = []  # (module, attr, proxy)
 _active = False
 MARK = "_self_flashinfer_safe_workspace"
 
@@ -85,7 +84,6 @@ def install_targets() -> int:
                     continue
                 if held is original:
                     setattr(module, attr, proxy)
-                    _installed.append((module, attr, proxy))
                     count += 1
         if count:
             logger.debug("%s wrapped %d FlashInfer binding(s)", rank_tag(), count)
@@ -101,20 +99,39 @@ def _candidate_modules():
 
 
 def uninstall_targets() -> int:
-    """Put the originals back where our proxy is still in place. Returns how many."""
+    """Put the originals back wherever our proxy is still the binding. Returns how many.
+
+    Scans every ``flashinfer.*`` module rather than a list of what we replaced: modules that
+    ran ``from .x import f`` after we wrapped ``x`` hold the proxy too. A foreign wrapper
+    stacked on top of ours is not ours, so that binding is left alone (identity check).
+    """
     global _active
     restored = 0
     with _lock:
         _active = False
-        for module, attr, proxy in reversed(_installed):
-            if module.__dict__.get(attr) is proxy:
-                setattr(module, attr, proxy.__wrapped__)
-                restored += 1
-            else:
-                logger.debug("%s left %s.%s alone: something else was put there after us",
-                             rank_tag(), module.__name__, attr)
-        _installed.clear()
+        for mod_name in _candidate_modules():
+            module = sys.modules.get(mod_name)
+            if module is None:
+                continue
+            for _, attr, _ in TARGETS:
+                held = module.__dict__.get(attr)
+                if is_ours(held):
+                    setattr(module, attr, _unwrap_ours(held))
+                    restored += 1
+                elif held is not None and _wraps_ours(held):
+                    logger.debug("%s left %s.%s alone: something else was put there after us",
+                                 rank_tag(), mod_name, attr)
     return restored
+
+
+def _wraps_ours(obj) -> bool:
+    seen = 0
+    while obj is not None and seen < 10:
+        obj = getattr(obj, "__wrapped__", None)
+        if is_ours(obj):
+            return True
+        seen += 1
+    return False
 
 
 def wrapped_bindings() -> list:
