@@ -21,21 +21,31 @@ def install(**overrides) -> None:
     """
     from . import _bootstrap, _config, _log
 
+    from . import _decide
+
     settings = _config.reload(enabled=True, **overrides)
+    _decide.clear_cache()  # vetoes were decided under the previous settings
     _log.configure(settings.debug)
+    _bootstrap.stop_watching()
     _bootstrap.register_hooks()
 
 
 def uninstall() -> None:
-    """Restore FlashInfer's original functions (where nothing else wrapped them since)."""
-    from . import _decide, _patch
+    """Restore FlashInfer's original functions (where nothing else wrapped them since)
+    and forget cached vetoes."""
+    from . import _bootstrap, _decide, _patch
 
+    _bootstrap.stop_watching()
     _patch.uninstall_targets()
     _decide.clear_cache()
 
 
 def is_installed() -> bool:
     """Whether the shim is active (its hooks wrap FlashInfer as soon as it is imported)."""
+    from . import _bootstrap
+
+    if _bootstrap.watching():
+        return True
     from . import _patch
 
     return _patch.is_active()

@@ -1,22 +1,30 @@
-"""Start-up: once per process, read Settings and, when enabled, hook FlashInfer's import.
+"""Start-up: once per process, and as cheaply as possible, get ready to hook FlashInfer.
 
 Runs from the ``.pth`` line (only when the variable is set and not off) and from
 ``import flashinfer_safe_workspace``. Never raises: start-up of the host process
-must not depend on us. Imports wrapt only when enabled, and torch/flashinfer never.
+must not depend on us.
+
+Cost budget: with the variable on and a valid value, the common case in a launch where
+most processes never touch FlashInfer, this imports nothing beyond ``sys``, ``os`` and
+``_thread`` and inserts one meta-path entry. Settings are parsed, logging configured
+and wrapt (≈60–100 ms) imported only when ``flashinfer`` itself is first imported.
 """
 
 from __future__ import annotations
 
+import _thread
+import os
 import sys
-import threading
 
 _done = False
-_lock = threading.Lock()
+_lock = _thread.allocate_lock()
 hooks_registered = False  # wrapt post-import hooks are in place
+
+_FAST_ON = frozenset({"1", "true", "yes", "on"})
 
 
 def watching() -> bool:
-    """Enabled, and waiting for the first ``import flashinfer`` to load wrapt."""
+    """Enabled, and waiting for the first ``import flashinfer`` to finish activation."""
     return any(isinstance(f, _FlashInferWatcher) for f in sys.meta_path)
 
 
@@ -27,53 +35,62 @@ def main() -> None:
             return
         _done = True
     try:
-        from . import _config, _log
-
-        settings = _config.current()
-        _log.configure(settings.debug)
-        if not settings.enabled:
+        raw = os.environ.get("FLASHINFER_SAFE_WORKSPACE", "").strip().lower()
+        if raw in _FAST_ON and "flashinfer" not in sys.modules:
+            sys.meta_path.insert(0, _FlashInferWatcher())  # the rest waits for flashinfer
             return
-        if "flashinfer" in sys.modules:
-            register_hooks()
-        else:  # wrapt costs ~60 ms to import: wait until FlashInfer itself is imported
-            from . import _patch
-
-            _patch._active = True
-            sys.meta_path.insert(0, _FlashInferWatcher())
+        activate_from_settings()
     except Exception as exc:  # noqa: BLE001 - never break interpreter start-up
-        try:
-            from ._log import internal_error
-            internal_error("bootstrap", exc)
-        except Exception:
-            pass
+        _report("bootstrap", exc)
+
+
+def activate_from_settings() -> None:
+    """Parse Settings (warning once about bad values), configure logging, and if the
+    shim is enabled, register the hooks."""
+    from . import _config, _log
+
+    settings = _config.current()
+    _log.configure(settings.debug)
+    if settings.enabled:
+        register_hooks()
+
+
+def _report(site: str, exc: BaseException) -> None:
+    try:
+        from ._log import internal_error
+
+        internal_error(site, exc)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class _FlashInferWatcher:
     """A stdlib-only meta-path entry that does nothing but notice the first import of
-    ``flashinfer``; it then removes itself and registers the wrapt post-import hooks
-    (in time: the hooked ``flashinfer.comm`` submodules are imported after the package)."""
+    ``flashinfer``; it then removes itself and finishes activation (in time: the hooked
+    ``flashinfer.comm`` submodules are imported after the package)."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "flashinfer" or name.startswith("flashinfer."):
             try:
                 sys.meta_path.remove(self)
             except ValueError:
-                pass
+                return None  # uninstalled meanwhile, or already handled
             try:
-                from . import _patch
-
-                if _patch.is_active():  # not uninstalled meanwhile
-                    register_hooks()
+                activate_from_settings()
             except Exception as exc:  # noqa: BLE001 - never break the user's import
-                try:
-                    from ._log import internal_error
-                    internal_error("bootstrap.hooks", exc)
-                except Exception:
-                    pass
+                _report("bootstrap.hooks", exc)
         return None  # let the real finders find it
 
     def invalidate_caches(self):
         pass
+
+
+def stop_watching() -> None:
+    for finder in [f for f in sys.meta_path if isinstance(f, _FlashInferWatcher)]:
+        try:
+            sys.meta_path.remove(finder)
+        except ValueError:
+            pass
 
 
 def register_hooks() -> None:
@@ -100,8 +117,4 @@ def _on_import(module) -> None:
         if _patch.is_active():
             _patch.install_targets()
     except Exception as exc:  # noqa: BLE001
-        try:
-            from ._log import internal_error
-            internal_error("import-hook", exc)
-        except Exception:
-            pass
+        _report("import-hook", exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -20,6 +21,7 @@ LEGACY = "legacy"
 
 _call_lock = threading.RLock()  # two threads of one process: serialised, one vote each
 _veto_cache: dict = {}  # (entry, ranks, backend, digest) -> VetoInfo
+_fast_vetoes: dict = {}  # fast_key(call) -> VetoInfo, filled only from completed votes
 _version_warned: set = set()
 last_report: dict = {}  # the latest decision of this process, for the demo and doctor
 
@@ -53,11 +55,31 @@ def _dtype_name(dtype) -> Optional[str]:
     return text[len("torch."):] if text.startswith("torch.") else text
 
 
+@functools.lru_cache(maxsize=32)
+def _signature(original: Callable) -> inspect.Signature:
+    return inspect.signature(original)
+
+
+def fast_key(entry: str, original: Callable, args: tuple, kwargs: dict):
+    """A key for the per-call veto cache, or None when the arguments are unhashable."""
+    try:
+        key = (entry, id(original), args, tuple(sorted(kwargs.items())))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def cached_veto(key) -> Optional[VetoInfo]:
+    """A veto this exact call already got from a completed vote (no work, no collective)."""
+    return _fast_vetoes.get(key) if key is not None else None
+
+
 def build_request(entry: str, original: Callable, args: tuple, kwargs: dict):
     """Bind the call to FlashInfer's own signature; ``None`` if it does not bind
     (FlashInfer will raise its own TypeError)."""
     try:
-        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound = _signature(original).bind(*args, **kwargs)
     except TypeError:
         return None, None
     bound.apply_defaults()
@@ -131,8 +153,9 @@ def _uses_comm_backend(req: Request, plan_backend: str) -> bool:
 
 
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
-           settings: _config.Settings) -> Decision:
-    """Everything before FlashInfer runs. Never raises (our errors become a vote)."""
+           settings: _config.Settings, key=None) -> Decision:
+    """Everything before FlashInfer runs. Never raises (our errors become a vote).
+    ``key``: this call's ``fast_key``, under which a completed veto is remembered."""
     start = time.perf_counter()
     deadline = time.monotonic() + settings.vote_timeout  # bounds every wait below, together
     req, bound = build_request(entry, original, args, kwargs)
@@ -165,9 +188,10 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     if reason_code == _probe.UNKNOWN_VERSION and settings.unknown_version == "pass-through":
         return Decision("call", note)
 
-    key = (entry, channel.ranks, req.backend, plan.digest() if plan is not None else 0)
-    cached = _veto_cache.get(key)
+    cache_key = (entry, channel.ranks, req.backend, plan.digest() if plan is not None else 0)
+    cached = _veto_cache.get(cache_key)
     if cached is not None:  # same answer at once, no probe, no collective
+        _log_cached(req, channel)
         return Decision("veto", "cached veto", cached, plan, channel)
     if ok and plan is not None:
         ok, reason_code, note = _run_probe(plan, settings, numbers)
@@ -197,7 +221,9 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     veto = _explain(result, channel, plan, note)
     last_report["message"] = veto.message
     if not result.missing:  # a vote that completed is the same on every rank: cache it
-        _veto_cache[key] = veto
+        _veto_cache[cache_key] = veto
+        if key is not None:
+            _fast_vetoes[key] = veto
     _log_decision("veto", req, plan, channel, numbers, ok, elapsed_ms)
     logger.warning("flashinfer_safe_workspace %s: vetoed FlashInfer all-reduce workspace "
                    "creation on every rank: %s", rank_tag(), veto.message)
@@ -358,5 +384,11 @@ def _log_decision(outcome, req, plan, channel, numbers, ok, elapsed_ms):
         numbers.get("free_bytes", -1), "ok" if ok else "no", elapsed_ms)
 
 
+def _log_cached(req, channel) -> None:
+    logger.debug("fiws decision %s outcome=veto-cached entry=%s backend=%s ranks=%s",
+                 rank_tag(), req.entry, req.backend, ",".join(map(str, channel.ranks)))
+
+
 def clear_cache() -> None:
     _veto_cache.clear()
+    _fast_vetoes.clear()

@@ -147,8 +147,9 @@ def _cuda_report() -> dict:
 def _watching() -> bool:
     """The bootstrap's lazy watcher is on ``sys.meta_path``: the hooks get registered
     (and wrapt imported) at the first ``import flashinfer``."""
-    return any(type(f).__module__ == "flashinfer_safe_workspace._bootstrap"
-               for f in sys.meta_path)
+    from . import _bootstrap
+
+    return _bootstrap.watching()
 
 
 def doctor_report(import_flashinfer: bool = True) -> dict:

@@ -29,12 +29,20 @@ def make_wrapper(entry: str):
         if _inside.get():
             return wrapped(*args, **kwargs)
         with _decide._call_lock:
+            settings = _config.current()
             try:
-                settings = _config.current()
-                decision = _decide.decide(entry, wrapped, args, kwargs, settings)
+                key = _decide.fast_key(entry, wrapped, args, kwargs)
+                hit = _decide.cached_veto(key)
+            except Exception:  # noqa: BLE001 - e.g. an argument whose __eq__ raises
+                key = hit = None
+            if hit is not None:  # this exact call was vetoed by a completed vote
+                if entry == _decide.LEGACY or settings.on_veto == "raise":
+                    raise WorkspaceVetoed(hit.message, ranks=hit.ranks, details=hit.details)
+                return None
+            try:
+                decision = _decide.decide(entry, wrapped, args, kwargs, settings, key)
             except Exception as exc:  # a bug of ours: fail closed (or open) locally
                 internal_error("decide", exc)
-                settings = _config.current()
                 if settings.fail_open:
                     decision = _decide.Decision("call", "internal error; fail-open")
                 else:
