@@ -99,3 +99,27 @@ def test_rejected_arguments_pass_through_unchanged(shim, backend, world_size, ra
         return  # FlashInfer accepted the arguments and reached CUDA: nothing to compare on CPU
     wrapped = _outcome(comm.create_allreduce_fusion_workspace, kwargs)
     assert wrapped == plain
+
+
+def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatch):
+    """FlashInfer asks for the multicast granularity of the exact object it creates; the
+    answer depends on the size. The plan (and so the probe) must use the same answer."""
+    from flashinfer_safe_workspace import _decide
+
+    asked = []
+
+    def granularity(size):
+        asked.append(size)
+        return (512 << 20) if size >= (64 << 20) else (2 << 20)
+
+    dev = _probe.SimulatedDevice(80 << 30, mc_granularity=granularity)
+    _probe.set_prober(dev)
+    fiws.install()
+    monkeypatch.setattr(ar, "MNNVLAllReduceFusionWorkspace", lambda **kw: "made")
+    monkeypatch.setattr(ar, "Mapping", lambda **kw: None)
+    comm.create_allreduce_fusion_workspace(backend="mnnvl", world_size=1, rank=0, max_token_num=2048,
+                                           hidden_dim=4096, dtype=torch.bfloat16)
+    # ws=1, T=2048, H=4096, bf16: buf = two-shot 32 MiB; 3*buf + 2048 B pad rounded to 2 MiB
+    assert asked == [98 << 20]
+    # ... then rounded to the 512 MiB the driver gives for that size, plus a few small tails
+    assert (512 << 20) <= _decide.last_report["plan_bytes"] < (512 << 20) + 1024

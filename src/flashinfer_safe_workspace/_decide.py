@@ -304,7 +304,8 @@ def _plan(req, version, channel, settings, numbers, deadline):
             else:
                 everyone = False  # FlashInfer: comm size != world_size -> no mnnvl, no collective
             facts = dataclasses.replace(facts, multicast_all_ranks=everyone)
-        plan = make_plan(req, facts, version)
+        plan = _with_multicast_granularity(make_plan(req, facts, version), req, facts,
+                                           version, prober)
         if isinstance(plan, PassThrough):
             return True, plan, _probe.OK, plan.reason
         numbers.update(peak_bytes=plan.peak_bytes, headroom_bytes=settings.headroom_bytes)
@@ -322,6 +323,24 @@ def _plan(req, version, channel, settings, numbers, deadline):
     except Exception as exc:  # our own bug, or the driver surprising us
         internal_error("plan-and-probe", exc)
         return settings.fail_open, plan, _probe.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
+
+
+def _with_multicast_granularity(plan, req, facts, version, prober):
+    """FlashInfer asks the driver for the multicast granularity of the exact object it is
+    about to create (its size after granularity rounding), and the answer depends on the
+    size. For the mnnvl buffer (one multicast object), ask the same question and re-plan."""
+    query = getattr(prober, "multicast_granularity", None)
+    if not isinstance(plan, Plan) or plan.backend != "mnnvl" or query is None:
+        return plan
+    base = make_plan(req, dataclasses.replace(facts, multicast_granularity=facts.granularity),
+                     version)
+    buffer = next((a for a in getattr(base, "allocations", ()) if a.name == "mnnvl.buffer"), None)
+    if buffer is None:
+        return plan
+    gmc = query(plan.device, req.world_size, buffer.bytes, buffer.handle_type)
+    if not gmc or gmc == facts.multicast_granularity:
+        return plan
+    return make_plan(req, dataclasses.replace(facts, multicast_granularity=gmc), version)
 
 
 def _group_mismatch(req: Request, channel: _vote.Channel) -> str:

@@ -187,6 +187,24 @@ class CudaProber:
             **_extra_facts(),
         )
 
+    def multicast_granularity(self, device: Optional[int], world_size: int, size: int,
+                              handle: Optional[str]) -> Optional[int]:
+        """RECOMMENDED multicast granularity for an object of ``size`` bytes over
+        ``world_size`` devices, queried the way FlashInfer queries it (the answer depends
+        on the size: 2 MiB for a 2 MiB object on H200). A query only: nothing is created."""
+        drv = self._ready()
+        dev = self.current_device() if device is None else int(device)
+        if not self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev):
+            return None
+        mc = drv.CUmulticastObjectProp()
+        mc.numDevices = max(int(world_size), 1)
+        mc.size = int(size)
+        types = drv.CUmemAllocationHandleType
+        mc.handleTypes = (types.CU_MEM_HANDLE_TYPE_FABRIC if handle == "fabric"
+                          else types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return int(_check(drv.cuMulticastGetGranularity(
+            mc, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)))
+
     def probe(self, plan: Plan, headroom_bytes: int, device: Optional[int] = None) -> ProbeResult:
         drv = self._ready()
         dev = plan.device if plan.device is not None else (
@@ -276,7 +294,7 @@ class SimulatedDevice:
                  granularity: int = DEFAULT_GRANULARITY, device: int = 0,
                  delay_s: float = 0.0, error: Optional[BaseException] = None,
                  interrupt_after: Optional[int] = None, multicast: bool = True,
-                 fabric: bool = False):
+                 fabric: bool = False, mc_granularity=None):
         self.free_bytes = int(free_bytes)
         self.total_bytes = int(total_bytes if total_bytes is not None else max(free_bytes, 0) + (1 << 30))
         self.granularity = granularity
@@ -286,6 +304,7 @@ class SimulatedDevice:
         self.interrupt_after = interrupt_after
         self.multicast = multicast
         self.fabric = fabric
+        self.mc_granularity = mc_granularity  # size -> multicast granularity, or None
         self.live_bytes = 0
         self.probes = 0
         self.max_live_bytes = 0
@@ -294,6 +313,9 @@ class SimulatedDevice:
         return Facts(granularity=self.granularity, multicast_supported=self.multicast,
                      fabric_supported=self.fabric, confidential_compute=confidential_compute,
                      current_device=self.device if device is None else device, device_count=8)
+
+    def multicast_granularity(self, device, world_size, size, handle):
+        return self.mc_granularity(size) if self.mc_granularity is not None else None
 
     def probe(self, plan: Plan, headroom_bytes: int, device: Optional[int] = None) -> ProbeResult:
         start = time.perf_counter()
