@@ -22,3 +22,20 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()
           if l.strip() and not l.startswith("#")]
     assert tests in ci
+
+
+def test_readme_engine_rows_match_the_verified_table():
+    import re
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "engines"))
+    from _runner import doc_outcomes
+
+    verified = {k: v for k, v in doc_outcomes().items() if k != ("Engine", "Release")}
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"^\| (vLLM|SGLang) \| ([0-9][^|]*) \| `([^`]*)` \| `([^`]*)` \|$", line)
+        if m:
+            rows[(m[1], m[2].strip())] = {"none": m[3], "raise": m[4]}
+    assert rows, "README has no verified engine rows"
+    assert rows == verified

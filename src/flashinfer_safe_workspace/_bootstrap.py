@@ -13,15 +13,13 @@ and wrapt (≈60–100 ms) imported only when ``flashinfer`` itself is first imp
 from __future__ import annotations
 
 import _thread
-import os
 import sys
+
+from ._gate import plainly_on
 
 _done = False
 _lock = _thread.allocate_lock()
 hooks_registered = False  # wrapt post-import hooks are in place
-
-_FAST_ON = frozenset({"1", "true", "yes", "on"})
-
 
 def watching() -> bool:
     """Enabled, and waiting for the first ``import flashinfer`` to finish activation."""
@@ -35,8 +33,7 @@ def main() -> None:
             return
         _done = True
     try:
-        raw = os.environ.get("FLASHINFER_SAFE_WORKSPACE", "").strip().lower()
-        if raw in _FAST_ON and "flashinfer" not in sys.modules:
+        if plainly_on() and "flashinfer" not in sys.modules:
             sys.meta_path.insert(0, _FlashInferWatcher())  # the rest waits for flashinfer
             return
         activate_from_settings()
