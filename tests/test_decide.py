@@ -130,3 +130,21 @@ def test_comm_backend_group_is_used_for_the_vote():
     """)
     rs = results(runs)
     assert [r["outcome"] for r in rs] == ["none", "none"]
+
+
+def test_world_size_one_does_not_vote_even_in_a_larger_world():
+    """A per-rank workspace (world_size=1) in a 2-rank world: no collective, no waiting for
+    the rank that never calls."""
+    runs = run_ranks(2, """
+        import rank_lib
+        from flashinfer_safe_workspace import _decide
+        if RANK == 0:
+            rank_lib.setup(free_mb=None, vote_timeout=30)
+            outcome, secs, err = rank_lib.create(rank=0, world_size=1)
+            result.update(outcome=outcome, secs=secs, ranks=_decide.last_report["ranks"])
+        else:
+            result.update(outcome="idle", secs=0.0)
+    """)
+    rs = results(runs)
+    assert rs[0]["outcome"] == "created" and rs[0]["secs"] < 5
+    assert rs[0]["ranks"] == [0]

@@ -146,7 +146,7 @@ def _capturing() -> bool:
 # --------------------------------------------------------------------------- the flow
 
 
-def _uses_comm_backend(req: Request, plan_backend: str) -> bool:
+def _uses_comm_backend(req: Request) -> bool:
     if req.entry == LEGACY:
         return req.use_symm_dev_mem
     return True  # unified: the comm_backend if given, else group/WORLD (mnnvl: MPI world)
@@ -169,10 +169,12 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
 
     # 1. the channel over exactly the workspace's ranks (needed even to say no)
     try:
-        channel = _vote.choose_channel(
-            group=group, comm_backend=comm_backend,
-            uses_comm_backend=_uses_comm_backend(req, req.backend),
-            timeout_s=settings.vote_timeout)
+        if req.world_size == 1:
+            channel = _vote.LocalChannel("world_size 1")  # nobody to vote with
+        else:
+            channel = _vote.choose_channel(
+                group=group, comm_backend=comm_backend, uses_comm_backend=_uses_comm_backend(req),
+                timeout_s=settings.vote_timeout)
     except Exception as exc:  # cannot reach peers: decide locally, fail closed or open
         internal_error("vote.channel", exc)
         if settings.fail_open:
