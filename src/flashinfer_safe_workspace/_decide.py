@@ -306,8 +306,8 @@ def _plan(req, version, channel, settings, numbers, deadline):
             else:
                 everyone = False  # FlashInfer: comm size != world_size -> no mnnvl, no collective
             facts = dataclasses.replace(facts, multicast_all_ranks=everyone)
-        plan = _with_multicast_granularity(make_plan(req, facts, version), req, facts,
-                                           version, prober)
+        facts = _size_aware_multicast(facts, prober, ws)
+        plan = make_plan(req, facts, version)
         if isinstance(plan, PassThrough):
             return True, plan, _probe.OK, plan.reason
         numbers.update(peak_bytes=plan.peak_bytes, headroom_bytes=settings.headroom_bytes)
@@ -327,22 +327,20 @@ def _plan(req, version, channel, settings, numbers, deadline):
         return settings.fail_open, plan, _probe.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
 
 
-def _with_multicast_granularity(plan, req, facts, version, prober):
-    """FlashInfer asks the driver for the multicast granularity of the exact object it is
-    about to create (its size after granularity rounding), and the answer depends on the
-    size. For the mnnvl buffer (one multicast object), ask the same question and re-plan."""
+def _size_aware_multicast(facts, prober, world_size):
+    """Facts whose multicast granularity is asked of the driver per object size."""
     query = getattr(prober, "multicast_granularity", None)
-    if not isinstance(plan, Plan) or plan.backend != "mnnvl" or query is None:
-        return plan
-    base = make_plan(req, dataclasses.replace(facts, multicast_granularity=facts.granularity),
-                     version)
-    buffer = next((a for a in getattr(base, "allocations", ()) if a.name == "mnnvl.buffer"), None)
-    if buffer is None:
-        return plan
-    gmc = query(plan.device, req.world_size, buffer.bytes, buffer.handle_type)
-    if not gmc or gmc == facts.multicast_granularity:
-        return plan
-    return make_plan(req, dataclasses.replace(facts, multicast_granularity=gmc), version)
+    if query is None:
+        return facts
+    handle = "fabric" if facts.fabric_supported and facts.imex_channel else "posix"
+    answers: dict = {}
+
+    def for_size(size: int):
+        if size not in answers:
+            answers[size] = query(None, world_size, size, handle)
+        return answers[size]
+
+    return dataclasses.replace(facts, multicast_granularity_for=for_size)
 
 
 def _group_mismatch(req: Request, channel: _vote.Channel) -> str:

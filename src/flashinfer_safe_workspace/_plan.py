@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 MiB = 1 << 20
 DEFAULT_GRANULARITY = 2 * MiB  # measured on H200 (reference section 9)
@@ -64,6 +64,19 @@ class Facts:
     # 0.7.4 retries each FABRIC allocation with POSIX fds (a transient FABRIC
     # cuMemCreate of the same size) and 0.6.x–0.7.2 fail at the export.
     imex_channel: bool = False
+    # The driver's RECOMMENDED multicast granularity depends on the object's size (on H200:
+    # 2 MiB for a 2 MiB object, 512 MiB for larger ones). FlashInfer asks it for each
+    # object it rounds, with that object's size; where set, this answers the same
+    # question (size -> granularity), else ``multicast_granularity`` is used for every size.
+    multicast_granularity_for: Optional[Callable[[int], int]] = dataclasses.field(
+        default=None, compare=False, hash=False, repr=False)
+
+    def gmc(self, size: int) -> int:
+        if self.multicast_granularity_for is not None:
+            answer = self.multicast_granularity_for(size)
+            if answer:
+                return int(answer)
+        return self.multicast_granularity
 
 
 @dataclasses.dataclass(frozen=True)

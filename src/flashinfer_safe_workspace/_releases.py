@@ -188,10 +188,11 @@ def _b_alloc(allocator: str, name: str, buf: int, buf_formula: str, facts: Facts
     """The cuMemCreate(s) of one SymmDeviceMemory of ``buf`` bytes.
 
     Returns (allocations, handle type held, notes)."""
-    g, gmc = facts.granularity, facts.multicast_granularity
+    g = facts.granularity
     size = round_up(buf + SIGNAL_PAD, g)
     text = f"RU({buf_formula} + 2048, G={g})"
     if allocator == "B1" or multicast:  # B1 applies Gmc always; B2+ only with multicast
+        gmc = facts.gmc(size)  # asked for this object's size, as FlashInfer asks
         size = round_up(size, gmc)
         text = f"RU({text}, Gmc={gmc})"
     handle = _b_handle_type(allocator, facts)
