@@ -165,7 +165,7 @@ class CudaProber:
             try:  # a granularity query only: no multicast object is created
                 mc = drv.CUmulticastObjectProp()
                 mc.numDevices = max(int(world_size), 1)
-                mc.size = gran
+                mc.size = 1 << 30  # a typical large object; per-size answers: multicast_granularity()
                 mc.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
                 mc_gran = int(_check(drv.cuMulticastGetGranularity(
                     mc, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)))
