@@ -345,6 +345,9 @@ def check_report(*, backend: str, world_size: int, max_token_num: int, hidden_di
     req = _plan.Request(entry="unified", backend=backend, world_size=world_size, rank=rank,
                         max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=dtype)
     try:
+        from ._decide import _size_aware_multicast
+
+        facts = _size_aware_multicast(facts, prober, world_size)  # as the shim plans
         plan = _plan.make_plan(req, facts, version)
     except _plan.Unplanned as exc:
         return done("cannot-tell", f"no allocation rule for this call: {exc}")
