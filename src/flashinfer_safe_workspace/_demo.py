@@ -165,20 +165,15 @@ class _Hog:
     """Fills a GPU with cuMemCreate so that only ``leave`` bytes stay free (GPU demo)."""
 
     def __init__(self, device: int):
-        from ._probe import _check, _driver
-        self.drv, self.check, self.device, self.handles = _driver(), _check, device, []
+        from ._probe import CudaProber, _check
+
+        self.prober, self.check, self.device, self.handles = CudaProber(), _check, device, []
 
     def fill(self, leave: int) -> None:
-        drv, check = self.drv, self.check
-        check(drv.cuInit(0))
-        prop = drv.CUmemAllocationProp()
-        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location = drv.CUmemLocation()
-        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = self.device
-        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        prop.allocFlags.gpuDirectRDMACapable = 1
         import torch
+
+        drv = self.prober._ready()
+        prop = self.prober._prop(self.device, "posix", True)  # FlashInfer's allocation properties
         torch.cuda.init()
         gran = 2 * MiB
         while True:
@@ -187,9 +182,10 @@ class _Hog:
             if extra < gran:
                 break
             size = min(extra - extra % gran, 8 << 30)
-            self.handles.append(check(drv.cuMemCreate(size, prop, 0)))
+            self.handles.append(self.check(drv.cuMemCreate(size, prop, 0)))
 
     def release(self) -> None:
+        drv = self.prober._ready()
         for handle in self.handles:
-            self.check(self.drv.cuMemRelease(handle))
+            self.check(drv.cuMemRelease(handle))
         self.handles.clear()

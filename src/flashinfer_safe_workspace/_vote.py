@@ -192,7 +192,7 @@ def _is_gloo(group) -> bool:
         return False
 
 
-def _gloo_twin(group, timeout_s: float, label: str) -> TorchGroupChannel:  # noqa: C901
+def _gloo_twin(group, timeout_s: float, label: str) -> TorchGroupChannel:
     """A gloo group over the same ranks as ``group`` (None = WORLD), made once per rank set."""
     import torch.distributed as dist
 
