@@ -49,10 +49,12 @@ def _env():
 
 def test_regex_matches_the_documented_example():
     line = ("fiws decision rank=3 pid=4242 outcome=veto entry=unified backend=trtllm "
-            "ranks=0,1,2,3 plan_bytes=543162454 free_bytes=-1 probe=no elapsed_ms=12.5")
+            "ranks=0,1,2,3 device=cuda:3 plan_bytes=543162454 free_bytes=-1 probe=no "
+            "elapsed_ms=12.5")
     (d,) = parse_decision_lines("INFO flashinfer_safe_workspace " + line)
     assert d == {"rank": 3, "pid": 4242, "outcome": "veto", "entry": "unified",
-                 "backend": "trtllm", "ranks": [0, 1, 2, 3], "plan_bytes": 543162454,
+                 "backend": "trtllm", "ranks": [0, 1, 2, 3], "device": "cuda:3",
+                 "plan_bytes": 543162454,
                  "free_bytes": -1, "probe": "no", "elapsed_ms": 12.5}
     assert DECISION_LINE.search(line.replace("outcome=veto", "outcome=maybe")) is None
     assert DECISION_LINE.search(line + " extra=1") is None  # a new field needs a new regex

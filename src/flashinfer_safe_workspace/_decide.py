@@ -396,10 +396,12 @@ def _describe_rank(record, rank: int, plan: Optional[Plan]) -> str:
 
 def _log_decision(outcome, req, plan, channel, numbers, ok, elapsed_ms):
     logger.info(
-        "fiws decision %s outcome=%s entry=%s backend=%s ranks=%s plan_bytes=%d free_bytes=%d "
-        "probe=%s elapsed_ms=%.1f", rank_tag(), outcome, req.entry,
+        "fiws decision %s outcome=%s entry=%s backend=%s ranks=%s device=%s plan_bytes=%d "
+        "free_bytes=%d probe=%s elapsed_ms=%.1f", rank_tag(), outcome, req.entry,
         plan.backend if plan is not None else req.backend,
-        ",".join(map(str, channel.ranks)), plan.peak_bytes if plan is not None else -1,
+        ",".join(map(str, channel.ranks)),
+        f"cuda:{numbers['device']}" if numbers.get("device", -1) >= 0 else "-",
+        plan.peak_bytes if plan is not None else -1,
         numbers.get("free_bytes", -1), "ok" if ok else "no", elapsed_ms)
 
 

@@ -423,7 +423,8 @@ def run_check(args) -> int:
 DECISION_LINE = re.compile(
     r"fiws decision rank=(?P<rank>-|\d+) pid=(?P<pid>\d+) outcome=(?P<outcome>pass|veto)"
     r" entry=(?P<entry>unified|legacy) backend=(?P<backend>[a-z-]+)"
-    r" ranks=(?P<ranks>\d+(?:,\d+)*) plan_bytes=(?P<plan_bytes>-?\d+)"
+    r" ranks=(?P<ranks>\d+(?:,\d+)*) device=(?P<device>cuda:\d+|-)"
+    r" plan_bytes=(?P<plan_bytes>-?\d+)"
     r" free_bytes=(?P<free_bytes>-?\d+) probe=(?P<probe>ok|no)"
     r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+)$")
 
