@@ -88,6 +88,7 @@ def _all_rejected(entry_name: str) -> bool:
     entry = runner.ENTRIES[entry_name][0]
     return (entry_name in ("legacy-symm-no-metadata",  # ValueError (0.5.x: TypeError)
                            "mnnvl-cutedsl")  # see runner.ENTRIES
+            or (entry_name == "mnnvl-cutedsl-accepted" and not _cutedsl_planned())
             or (r == 0 and (entry == "unified" or entry_name == "legacy-symm"))
             or (r >= 6 and entry_name == "mnnvl-cc"))  # mnnvl refuses CC from 0.6.16
 
@@ -153,6 +154,55 @@ def test_h200_measurement_of_section_9(recorder):
     assert sum(r.bytes for r in outcome.captured
                if r.held and r.api == "cuMemCreate") == 134 * MiB
     assert isinstance(outcome.plan, Plan) and outcome.plan.peak_bytes >= 134 * MiB
+
+
+def _cutedsl_planned() -> bool:
+    return RANGE in _releases.CUTEDSL_PLANNED_RANGES and not _releases.is_unknown(VERSION)
+
+
+def test_cutedsl_reference_example(recorder):
+    """§5's mnnvl-cutedsl example (tp=8, H=8192, top_k=10, T=2048, cc 10.0): FlashInfer's
+    constructor asks for symmetric blocks of 10, 50, 50, 2, 2, 34, 34 MiB, as planned."""
+    if not _cutedsl_planned():
+        pytest.skip("allocator D is planned for 0.7.4 only")
+    rec, keep = recorder
+    spec = runner.Spec("mnnvl-cutedsl-accepted", 8, 3, 2048, 8192, "bfloat16", "h200",
+                       cc=(10, 0), options=(("top_k", 10),))
+    outcome = runner.run(flashinfer, rec, spec, keep)
+    assert outcome.status == "match", outcome.detail
+    blocks = [r.bytes for r in outcome.captured if r.api == "cuMemCreate"]
+    assert blocks == [n * MiB for n in (10, 50, 50, 2, 2, 34, 34)]
+    assert type(keep[-1]).__name__ == "MNNVLCuteDSLAllReduceFusionWorkspace"
+    _report("example", example="cutedsl-§5", entry="mnnvl-cutedsl", facts="h200",
+            allocator="D", captured_peak=sum(r.bytes for r in outcome.captured),
+            plan_peak=outcome.plan.peak_bytes, creates=blocks)
+
+
+@pytest.mark.parametrize("change", ["byte", "drop"])
+def test_cutedsl_comparison_detects_a_wrong_plan(recorder, monkeypatch, change):
+    """Negative control for D: one byte more in a small tensor, or a missing
+    peer-address table, is reported."""
+    if not _cutedsl_planned():
+        pytest.skip("allocator D is planned for 0.7.4 only")
+    rec, keep = recorder
+    spec = runner.Spec("mnnvl-cutedsl-accepted", 8, 0, 2048, 8192, "bfloat16", "h200",
+                       cc=(10, 0))
+    assert runner.run(flashinfer, rec, spec, keep).status == "match"
+    real_plan = _releases.plan
+
+    def wrong(req, facts, version):
+        plan = real_plan(req, facts, version)
+        allocs = list(plan.allocations)
+        i = next(i for i, a in enumerate(allocs) if a.name.endswith("peer_addresses"))
+        if change == "byte":
+            allocs[i] = dataclasses.replace(allocs[i], bytes=allocs[i].bytes + 1)
+        else:
+            del allocs[i]
+        return dataclasses.replace(plan, allocations=tuple(allocs))
+
+    monkeypatch.setattr(_releases, "plan", wrong)
+    outcome = runner.run(flashinfer, rec, spec, keep)
+    assert outcome.status == "mismatch" and "differ" in outcome.detail
 
 
 def test_version_is_known_or_newest():

@@ -472,8 +472,9 @@ def test_cutedsl_rejections_are_passthrough(req, facts):
     assert isinstance(make_plan(req, facts, "0.7.4"), PassThrough)
 
 
-@pytest.mark.parametrize("version", ["0.7.2.post1", "0.7.4", "0.8.0"])
-def test_cutedsl_supported_shape_is_unplanned(version):
+@pytest.mark.parametrize("version", ["0.7.2.post1", "0.8.0"])
+def test_cutedsl_supported_shape_is_unplanned_outside_0_7_4(version):
+    """D is planned only for the release the conformance test checked (0.7.4)."""
     with pytest.raises(Unplanned, match="mnnvl-cutedsl"):
         make_plan(cutedsl(), BLACKWELL, version)
     with pytest.raises(Unplanned):
@@ -482,6 +483,148 @@ def test_cutedsl_supported_shape_is_unplanned(version):
                   BLACKWELL, version)
 
 
+def _installed_flashinfer():
+    flashinfer = pytest.importorskip("flashinfer")
+    pytest.importorskip("flashinfer.comm.mnnvl_cutedsl")
+    if R.parse_version(flashinfer.__version__)[:3] != (0, 7, 4):
+        pytest.skip(f"D is planned for 0.7.4; {flashinfer.__version__} is installed")
+    return flashinfer
+
+
+def test_cutedsl_reference_example():
+    """§5: tp=8, H=8192, top_k=10, T=2048 on cc (10,0): LL 23, BT 1024, HT 2048 tokens;
+    symmetric blocks 10, 50, 50, 2, 2, 34, 34 MiB (182 MiB) for any P_t <= 2 MiB."""
+    fi = _installed_flashinfer()
+    for pad in (2048, 9216):
+        facts = dataclasses.replace(BLACKWELL, torch_signal_pad=pad)
+        plan = make_plan(cutedsl(cutedsl_options=(("top_k", "10"),)), facts, fi.__version__)
+        assert isinstance(plan, Plan) and plan.allocator == "D" and plan.handle_type == "posix"
+        blocks = [a for a in plan.allocations if a.api == "cuMemCreate"]
+        assert [a.bytes // MiB for a in blocks] == [10, 50, 50, 2, 2, 34, 34]
+        assert all(a.bytes % MiB == 0 for a in blocks)
+        assert sum(a.bytes for a in blocks) == 182 * MiB
+        names = [a.name for a in plan.allocations]
+        assert names[:4] == ["cutedsl.ll.mailbox", "cutedsl.ll.mailbox.buffer_ptrs",
+                             "cutedsl.ll.mailbox.signal_pad_ptrs", "cutedsl.ll.stage_state"]
+        small = {a.name: a.bytes for a in plan.allocations if a.api == "torch"}
+        assert small["cutedsl.ll.stage_state"] == 8
+        assert small["cutedsl.bt.stage_state"] == 24
+        assert small["cutedsl.bt.prenorm.peer_addresses"] == 64
+        assert small["cutedsl.ht.routed_processed"] == 256 * 8 * 4
+        assert "cutedsl.ll.mailbox.peer_addresses" not in small  # no peer-store preset
+        assert plan.peak_bytes == sum(a.bytes for a in plan.allocations)
+    # the logical sizes of §5, read back at granularity 1 and P_t = 0
+    exact = dataclasses.replace(BLACKWELL, granularity=1, torch_signal_pad=0)
+    plan = make_plan(cutedsl(), exact, fi.__version__)
+    assert [a.bytes for a in plan.allocations if a.api == "cuMemCreate"] == [
+        9043968, 50331648, 50331648, 1024, 1024, 33554432, 33554432]
+    assert "LL=23 BT=1024 HT=2048" in plan.notes[0]
+
+
+def test_cutedsl_small_token_count_is_ll_only():
+    fi = _installed_flashinfer()
+    plan = make_plan(cutedsl(max_token_num=15), BLACKWELL, fi.__version__)
+    assert [a.name for a in plan.allocations if a.api == "cuMemCreate"] == [
+        "cutedsl.ll.mailbox"]
+    assert plan.allocations[0].bytes == 6 * MiB  # RU(3*8*15*8192*2 + P_t, 2 MiB)
+    assert [a.name for a in plan.allocations] == [
+        "cutedsl.ll.mailbox", "cutedsl.ll.mailbox.buffer_ptrs",
+        "cutedsl.ll.mailbox.signal_pad_ptrs", "cutedsl.ll.stage_state"]
+
+
+def test_cutedsl_no_norm_two_shot_and_placeholder():
+    """NO_NORM_CONFIG tp4 H8192 on cc (10,3) routes 25–320 tokens to three LL two-shot
+    shapes, each with its own scatter/gather pair; the gamma placeholder comes first."""
+    fi = _installed_flashinfer()
+    facts = dataclasses.replace(BLACKWELL, compute_capability=(10, 3))
+    req = cutedsl(world_size=4, max_token_num=300,
+                  cutedsl_options=(("apply_rms_norm", "False"),))
+    plan = make_plan(req, facts, fi.__version__)
+    assert plan.allocations[0].name == "cutedsl.gamma_placeholder"
+    assert plan.allocations[0].bytes == 8192 * 2
+    names = [a.name for a in plan.allocations if a.api == "cuMemCreate"]
+    assert names.count("cutedsl.ll.two_shot.scatter") == 3
+    assert names.count("cutedsl.ll.two_shot.gather") == 3
+    assert "cutedsl.ll.mailbox.peer_addresses" in [a.name for a in plan.allocations]
+    assert not any(n.startswith("cutedsl.ht") for n in names)
+
+
+def test_cutedsl_rejections_from_the_profile_tables():
+    fi = _installed_flashinfer()
+    from flashinfer.comm import mnnvl_cutedsl as tables
+
+    v = fi.__version__
+    # no profile for this hidden size / top_k / architecture-specific shape
+    assert isinstance(make_plan(cutedsl(hidden_dim=4096), BLACKWELL, v), PassThrough)
+    assert isinstance(make_plan(cutedsl(cutedsl_options=(("top_k", "8"),)), BLACKWELL, v),
+                      PassThrough)
+    assert isinstance(make_plan(cutedsl(world_size=4), BLACKWELL, v), PassThrough)  # cc 10.0
+    # a config measured with the norm, asked without it
+    values = (("apply_rms_norm", False), ("config", tables.DEFAULT_CONFIG))
+    req = cutedsl(cutedsl_options=tuple((n, repr(x)) for n, x in values), cutedsl_values=values)
+    assert isinstance(make_plan(req, BLACKWELL, v), PassThrough)
+    # HT without the norm (a protocol-pinned config suits either)
+    values = (("apply_rms_norm", False), ("config", tables.HT_ONLY_CONFIG))
+    req = cutedsl(cutedsl_options=tuple((n, repr(x)) for n, x in values), cutedsl_values=values)
+    assert "HT" in make_plan(req, BLACKWELL, v).reason
+    # the LL two-shot all-reduce has no dynamic FP8 output
+    either = dataclasses.replace(tables.NO_NORM_CONFIG, applies_rms_norm=None)
+    values = (("config", either), ("dynamic_fp8", True),
+              ("output_dtype", __import__("torch").float8_e4m3fn))
+    req = cutedsl(world_size=4, max_token_num=300, cutedsl_values=values,
+                  cutedsl_options=tuple((n, repr(x)) for n, x in values))
+    facts = dataclasses.replace(BLACKWELL, compute_capability=(10, 3))
+    assert "two-shot" in make_plan(req, facts, v).reason
+
+
+def test_cutedsl_custom_config_needs_its_value():
+    fi = _installed_flashinfer()
+    from flashinfer.comm import mnnvl_cutedsl as tables
+
+    options = (("config", repr(tables.LL_ONLY_CONFIG)),)
+    with pytest.raises(Unplanned, match="repr"):
+        make_plan(cutedsl(cutedsl_options=options), BLACKWELL, fi.__version__)
+    plan = make_plan(cutedsl(cutedsl_options=options,
+                             cutedsl_values=(("config", tables.LL_ONLY_CONFIG),)),
+                     BLACKWELL, fi.__version__)
+    assert [a.name for a in plan.allocations if a.api == "cuMemCreate"] == [
+        "cutedsl.ll.mailbox"]
+    assert plan.allocations[0].bytes == R.round_up(3 * 8 * 2048 * 8192 * 2 + 2048, 2 * MiB)
+
+
+def test_cutedsl_unplanned_without_flashinfer_tables(monkeypatch):
+    fi = _installed_flashinfer()
+    import sys
+
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer.comm.mnnvl_cutedsl", None)
+        with pytest.raises(Unplanned, match="cannot be imported"):
+            make_plan(cutedsl(), BLACKWELL, fi.__version__)
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", None)
+        with pytest.raises(Unplanned, match="cannot be imported"):
+            make_plan(cutedsl(), BLACKWELL, fi.__version__)
+    # the argument checks still answer without FlashInfer's tables
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", None)
+        assert isinstance(make_plan(cutedsl(world_size=6), BLACKWELL, fi.__version__),
+                          PassThrough)
+
+
+def test_cutedsl_unplanned_when_installed_release_differs(monkeypatch):
+    fi = _installed_flashinfer()
+    monkeypatch.setattr(fi, "__version__", "0.7.4.post9")
+    with pytest.raises(Unplanned, match="not 0.7.4"):
+        make_plan(cutedsl(), BLACKWELL, "0.7.4")
+
+
+def test_cutedsl_plan_ignores_rank_and_notes_a_peer_without_multicast():
+    fi = _installed_flashinfer()
+    a = make_plan(cutedsl(rank=0), BLACKWELL, fi.__version__)
+    b = make_plan(cutedsl(rank=7), BLACKWELL, fi.__version__)
+    assert a.digest() == b.digest()
+    peer = dataclasses.replace(BLACKWELL, multicast_all_ranks=False)
+    assert any("multicast" in n for n in make_plan(cutedsl(), peer, fi.__version__).notes)
 # --------------------------------------------------------------------------- invariants (fuzz)
 
 versions = st.sampled_from(list(RELEASE.values()) + ["0.6.0", "0.6.13", "0.6.18", "0.7.9"])
@@ -544,6 +687,8 @@ def test_plan_invariants(req, facts, version):
     if plan.backend == "trtllm":
         assert plan.allocations[-2].api == "cudaMalloc" and plan.allocations[-2].bytes == 20
         assert plan.allocations[-1].bytes == (3 * req.world_size + 1) * 8
+    elif plan.backend == "mnnvl-cutedsl":
+        assert plan.allocator == "D" and plan.allocations[0].api in ("cuMemCreate", "torch")
     else:
         assert plan.allocations[-1].bytes == 36
     if isinstance(req.rank, int):
@@ -567,3 +712,35 @@ def test_non_int_rank_where_it_is_the_device():
     assert isinstance(make_plan(unified("E1", rank=None), G2, "0.6.6"), PassThrough)
     assert isinstance(make_plan(unified("E1", "mnnvl", rank=None), G2, "0.6.6"), PassThrough)
     assert isinstance(make_plan(unified("E1", rank=None), G2, "0.7.4"), Plan)
+
+
+@settings(max_examples=150, deadline=None)
+@given(profile_index=st.integers(0, 9), tokens=st.integers(1, 1 << 15),
+       granularity=st.sampled_from([1, 4096, 2 * MiB]), pad=st.sampled_from([0, 2048, 9216]),
+       rank=st.integers(0, 15))
+def test_cutedsl_plan_invariants(profile_index, tokens, granularity, pad, rank):
+    fi = _installed_flashinfer()
+    from flashinfer.comm import mnnvl_cutedsl as tables
+
+    profiles = tables.DEFAULT_CONFIG.profiles
+    profile = profiles[profile_index % len(profiles)]
+    facts = dataclasses.replace(BLACKWELL, granularity=granularity, torch_signal_pad=pad,
+                                compute_capability=profile.compute_capability or (10, 0))
+    req = cutedsl(world_size=profile.tp_size, rank=rank % profile.tp_size,
+                  max_token_num=tokens, hidden_dim=profile.hidden_size,
+                  cutedsl_options=(("top_k", str(profile.top_k)),))
+    plan = make_plan(req, facts, fi.__version__)
+    assert isinstance(plan, Plan), plan  # the default routes are unbounded
+    ws, h = profile.tp_size, profile.hidden_size
+    blocks = [a for a in plan.allocations if a.api == "cuMemCreate"]
+    assert blocks and all(a.bytes % granularity == 0 and a.held for a in blocks)
+    assert all(a.handle_type == "posix" for a in blocks)
+    # each block is followed by the rendezvous' two pointer arrays
+    for i, a in enumerate(plan.allocations):
+        if a.api == "cuMemCreate":
+            assert [b.bytes for b in plan.allocations[i + 1:i + 3]] == [8 * ws, 8 * ws]
+    # every buffer holds at most the max_token_num rows it may serve
+    for a in blocks:
+        if a.name in ("cutedsl.ht.local", "cutedsl.ht.prenorm"):
+            assert a.bytes - pad <= R.round_up(tokens * h * 2, granularity) + granularity
+    assert plan.peak_bytes == sum(a.bytes for a in plan.allocations)

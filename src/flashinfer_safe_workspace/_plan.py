@@ -43,6 +43,10 @@ class Request:
     create_metadata: bool = False  # legacy only
     has_comm_backend: bool = False
     cutedsl_options: tuple = ()  # sorted (name, repr) pairs of the keyword-only options
+    # The same options' values, (name, value) pairs (mnnvl-cutedsl: a custom ``config``
+    # object cannot be planned from its repr). Not compared: the reprs stand for them.
+    cutedsl_values: tuple = dataclasses.field(default=(), compare=False, hash=False,
+                                              repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

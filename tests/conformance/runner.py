@@ -3,6 +3,7 @@ recording stand-ins, compared byte for byte with our plan."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -13,7 +14,7 @@ import torch
 
 from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned, make_plan
 
-from .standins import Case, FakeComm, Recorder
+from .standins import Case, FakeComm, Recorder, cutedsl_device
 
 MiB = 1 << 20
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -50,6 +51,9 @@ ENTRIES = {
     # FlashInfer rejects every grid case before allocating (tp size, dtype, or no
     # Blackwell GPU; "unknown backend" before 0.7.2.post1): checks nothing is allocated.
     "mnnvl-cutedsl": ("unified", "mnnvl-cutedsl", {}),
+    # Shapes FlashInfer's profile tables accept, on a stand-in Blackwell device with
+    # its CuTe DSL compiles stubbed (standins.cutedsl_device): allocator D.
+    "mnnvl-cutedsl-accepted": ("unified", "mnnvl-cutedsl", {"blackwell": True}),
     "legacy": ("legacy", "trtllm", {"create_metadata": True}),
     "legacy-no-metadata": ("legacy", "trtllm", {}),
     "legacy-symm": ("legacy", "trtllm", {"use_symm_dev_mem": True, "create_metadata": True}),
@@ -66,14 +70,90 @@ class Spec:
     hidden: int
     dtype: str
     facts_name: str
+    cc: Optional[tuple] = None  # compute capability the stand-ins report (None: Hopper)
+    options: tuple = ()  # (name, value) keyword-only mnnvl-cutedsl options
 
     def label(self) -> str:
+        extra = "".join(f" {n}={_CONFIG_NAMES.get(id(v), 'custom') if n == 'config' else v}"
+                        for n, v in self.options)
+        cc = f" cc={self.cc}" if self.cc else ""
         return (f"{self.entry_name} ws={self.world_size} r={self.rank} T={self.tokens} "
-                f"H={self.hidden} {self.dtype} [{self.facts_name}]")
+                f"H={self.hidden} {self.dtype}{cc}{extra} [{self.facts_name}]")
+
+
+CUTEDSL_TOKENS = (1, 20, 100, 300, 2048)
+CUTEDSL_CONFIGS = ("DEFAULT_CONFIG", "NO_NORM_CONFIG", "LL_ONLY_CONFIG", "BT_ONLY_CONFIG",
+                   "HT_ONLY_CONFIG")
+
+
+_CONFIG_NAMES: dict = {}  # id(config) -> its name in flashinfer.comm.mnnvl_cutedsl
+
+
+def _named_config(name: str):
+    from flashinfer.comm import mnnvl_cutedsl
+
+    config = getattr(mnnvl_cutedsl, name)
+    _CONFIG_NAMES[id(config)] = name
+    return config
+
+
+def cutedsl_grid() -> list:
+    """Every profile of FlashInfer's own configs at a few token counts (some beyond a
+    profile's routes: FlashInfer rejects those before allocating), with the options
+    each config is measured for, plus FP8-output variants of the default config."""
+    try:
+        from flashinfer.comm import mnnvl_cutedsl
+
+        for name in CUTEDSL_CONFIGS:
+            _named_config(name)
+    except (ImportError, AttributeError):  # a release without these tables
+        return []
+    specs = []
+    i = 0
+    for config_name in CUTEDSL_CONFIGS:
+        config = _named_config(config_name)
+        for profile in config.profiles:
+            cc = profile.compute_capability or (10, 0)
+            for tokens in CUTEDSL_TOKENS:
+                variants = [()]
+                if config_name == "NO_NORM_CONFIG":
+                    variants = [(("apply_rms_norm", False),)]
+                elif config_name == "DEFAULT_CONFIG":
+                    fp8 = ("output_dtype", torch.float8_e4m3fn)
+                    variants += [(fp8,), (fp8, ("dynamic_fp8", True),
+                                          ("write_norm_output", True))]
+                for extra in variants:
+                    opts = (("top_k", profile.top_k),) + extra
+                    if config_name != "DEFAULT_CONFIG" and config_name != "NO_NORM_CONFIG":
+                        opts += (("config", config),)
+                    rank = (i * 5 + 1) % profile.tp_size
+                    i += 1
+                    specs.append(Spec("mnnvl-cutedsl-accepted", profile.tp_size, rank,
+                                      tokens, profile.hidden_size, "bfloat16", "h200",
+                                      cc=cc, options=opts))
+    # a custom config (NO_NORM_CONFIG's routes, for either norm setting) with the norm
+    # and dynamic FP8: rejected where a route is the LL two-shot, planned elsewhere
+    either = dataclasses.replace(mnnvl_cutedsl.NO_NORM_CONFIG, applies_rms_norm=None)
+    _CONFIG_NAMES[id(either)] = "NO_NORM_CONFIG(applies_rms_norm=None)"
+    for profile in either.profiles:
+        for tokens in CUTEDSL_TOKENS:
+            opts = (("top_k", profile.top_k), ("config", either),
+                    ("output_dtype", torch.float8_e4m3fn), ("dynamic_fp8", True))
+            specs.append(Spec("mnnvl-cutedsl-accepted", profile.tp_size, 1, tokens,
+                              profile.hidden_size, "bfloat16", "h200",
+                              cc=profile.compute_capability or (10, 0), options=opts))
+    # granularity 1: every byte of each block shows; and a shape with no profile
+    specs.append(Spec("mnnvl-cutedsl-accepted", 8, 3, 2048, 8192, "bfloat16", "exact",
+                      cc=(10, 0), options=(("top_k", 10),)))
+    specs.append(Spec("mnnvl-cutedsl-accepted", 8, 3, 2048, 4096, "bfloat16", "h200",
+                      cc=(10, 0)))
+    return specs
 
 
 def grid(entry_name: str) -> list:
     """Every shape under every facts variant."""
+    if entry_name == "mnnvl-cutedsl-accepted":
+        return cutedsl_grid()
     specs = []
     for i, (ws, t, h, d) in enumerate(SHAPES):
         rank = (i * 5 + 1) % ws  # varies; reaches ranks >= 8 (device mapping of R1)
@@ -113,6 +193,7 @@ def _case_and_facts(spec: Spec) -> tuple:
         device_count=case.device_count,
         torch_signal_pad=case.torch_signal_pad,
         imex_channel=case.imex_channel,
+        **({"compute_capability": tuple(spec.cc)} if spec.cc else {}),
     )
     return case, facts
 
@@ -141,10 +222,14 @@ def call_flashinfer(flashinfer, spec: Spec, case: Case):
         cutedsl = backend == "mnnvl-cutedsl"
         if not cutedsl:  # mnnvl-cutedsl refuses comm_backend (it uses a process group)
             kwargs["comm_backend"] = comm
+        kwargs.update(dict(spec.options))
         req = Request("unified", backend, spec.world_size, spec.rank, spec.tokens,
                       spec.hidden, spec.dtype,
                       force_oneshot_support=bool(opts.get("force_oneshot_support")),
-                      has_comm_backend=not cutedsl)
+                      has_comm_backend=not cutedsl,
+                      # as _decide.build_request normalises them
+                      cutedsl_options=tuple(sorted((n, repr(v)) for n, v in spec.options)),
+                      cutedsl_values=tuple(sorted(spec.options, key=lambda item: item[0])))
         fn = getattr(comm_mod, "create_allreduce_fusion_workspace", None)
     else:
         fn = comm_mod.trtllm_create_ipc_workspace_for_all_reduce_fusion
@@ -177,10 +262,12 @@ def run(flashinfer, rec: Recorder, spec: Spec, keep: list) -> Outcome:
         return Outcome(spec, "unplanned", str(exc))
     error = None
     rec.start(case)
+    device = (cutedsl_device(rec, spec.cc) if opts.get("blackwell")
+              else contextlib.nullcontext())
     try:
         if fn is None:
             raise AttributeError("no create_allreduce_fusion_workspace in this release")
-        with warnings.catch_warnings():
+        with device, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             keep.append(fn(**kwargs))
     except Exception as exc:  # noqa: BLE001 - FlashInfer's own rejection is data here

@@ -640,3 +640,73 @@ def install(monkeypatch, rec: Recorder) -> None:
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: rec.case.world_size)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rec.case.rank)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+
+
+# --------------------------------------------------------------------------- mnnvl-cutedsl
+
+
+def _remote_tensor(self, peer, sizes, dtype, storage_offset=0):
+    ptr = self.buffer_ptrs[peer]
+    return types.SimpleNamespace(data_ptr=lambda: ptr)
+
+
+_SymmHandle.get_remote_tensor = _remote_tensor
+
+
+class _Compiled:
+    """What a stubbed CuTe DSL compile returns: never launched here."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+@contextlib.contextmanager
+def cutedsl_device(rec: Recorder, compute_capability: tuple):
+    """Extra stand-ins while one MNNVLCuteDSLAllReduceFusionWorkspace is built (allocator D).
+
+    * ``torch.cuda.is_available`` / ``get_device_capability``: a Blackwell device of the
+      given compute capability;
+    * ``symm_mem.get_backend``: torch's "CUDA" symmetric-memory backend (the
+      allocations themselves are the stand-ins of ``install``);
+    * every protocol's ``_compile*`` method (the CuTe DSL JIT): returns a placeholder
+      and allocates nothing; recorded in ``compiled``;
+    * ``torch.zeros`` / ``torch.empty`` on a CUDA device, and ``torch.tensor`` on the
+      meta device our symmetric tensors live on: made on the CPU and recorded as
+      "torch" allocations of numel·element_size bytes.
+    Yields the list of compiled kernel names.
+    """
+    import torch.distributed._symmetric_memory as symm_mem
+    from flashinfer.comm.mnnvl_cutedsl.kernel_bt.protocol import BTProtocol
+    from flashinfer.comm.mnnvl_cutedsl.kernel_ht.protocol import HTProtocol
+    from flashinfer.comm.mnnvl_cutedsl.kernel_ll.protocol import LLProtocol
+
+    compiled: list = []
+    mp = __import__("pytest").MonkeyPatch()
+    try:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "get_device_capability",
+                   lambda *a, **k: tuple(compute_capability))
+        mp.setattr(symm_mem, "get_backend", lambda *a, **k: "CUDA")
+        for cls in (LLProtocol, BTProtocol, HTProtocol):
+            for name in list(vars(cls)):
+                if name.startswith("_compile"):
+                    def stub(self, *args, _name=f"{cls.__name__}.{name}", **kwargs):
+                        compiled.append(_name)
+                        return _Compiled(_name)
+                    mp.setattr(cls, name, stub)
+
+        def on_device(real, devices):
+            def make(*args, device=None, **kwargs):
+                if device is not None and str(device).startswith(devices):
+                    made = real(*args, **kwargs)
+                    rec.add(Record("torch", made.numel() * made.element_size()))
+                    return made
+                return real(*args, device=device, **kwargs)
+            return make
+
+        mp.setattr(torch, "zeros", on_device(torch.zeros, ("cuda",)))
+        mp.setattr(torch, "empty", on_device(torch.empty, ("cuda",)))
+        mp.setattr(torch, "tensor", on_device(torch.tensor, ("cuda", "meta")))
+        yield compiled
+    finally:
+        mp.undo()
