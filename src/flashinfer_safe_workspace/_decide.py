@@ -94,7 +94,10 @@ def build_request(entry: str, original: Callable, args: tuple, kwargs: dict):
             hidden_dim=a.get("hidden_dim"), dtype=_dtype_name(a.get("dtype")),
             force_oneshot_support=bool(a.get("force_oneshot_support", False)),
             gpus_per_node=a.get("gpus_per_node"),
-            has_comm_backend=a.get("comm_backend") is not None, cutedsl_options=cutedsl)
+            has_comm_backend=a.get("comm_backend") is not None, cutedsl_options=cutedsl,
+            cutedsl_values=tuple(sorted(
+                ((name, value) for name, value in a.items()
+                 if name in _CUTEDSL_OPTIONS and value is not None), key=lambda item: item[0])))
     else:
         req = Request(
             entry=LEGACY, backend="trtllm", world_size=a.get("tp_size"), rank=a.get("tp_rank"),
