@@ -76,10 +76,11 @@ def test_legacy_api_always_raises_on_veto():
             tp_rank=0, tp_size=1, max_token_num=16, hidden_dim=64)
 
 
-VALUES = st.one_of(st.none(), st.integers(-3, 20000), st.sampled_from(["2", 2.5, True]))
+VALUES = st.one_of(st.none(), st.integers(-3, 20000), st.sampled_from(["2", 2.5, True, 455]))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(backend=st.sampled_from(["trtllm", "mnnvl", "auto", "mnnvl-cutedsl", "bogus", "", "TRTLLM"]),
        world_size=VALUES, rank=VALUES, max_token_num=VALUES, hidden_dim=VALUES,
        dtype=st.sampled_from([None, torch.bfloat16, torch.float16, torch.float32, torch.int8]),
@@ -123,3 +124,16 @@ def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatc
     assert asked == [98 << 20]
     # ... then rounded to the 512 MiB the driver gives for that size, plus a few small tails
     assert (512 << 20) <= _decide.last_report["plan_bytes"] < (512 << 20) + 1024
+
+
+def test_no_process_group_passes_flashinfers_own_error_through():
+    """Found by the property above: without torch.distributed, a multi-rank trtllm workspace
+    fails inside FlashInfer before allocating; the caller must see that error, not a veto."""
+    _probe.set_prober(_probe.SimulatedDevice(1 << 20))  # would veto if it were asked
+    fiws.install(on_veto="raise")
+    with pytest.raises(RuntimeError) as info:
+        comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=455, rank=0,
+                                               max_token_num=6225, hidden_dim=6966,
+                                               dtype=torch.float32)
+    assert not isinstance(info.value, fiws.WorkspaceVetoed)
+    assert "torch.distributed is not initialized" in str(info.value)

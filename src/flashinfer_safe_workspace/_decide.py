@@ -185,6 +185,10 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         return Decision("veto", "no vote channel", _veto_local(
             f"could not set up the vote group: {type(exc).__name__}: {exc}"))
 
+    if _flashinfer_needs_a_process_group(req, channel):
+        return Decision("call", "torch.distributed is not initialised and no comm_backend is "
+                        "given: FlashInfer raises its own error before allocating")
+
     # 2. plan + probe on this rank; any failure of ours becomes this rank's "no"
     numbers: dict = {"global_rank": _global_rank(), "pid": os.getpid(), "device": -1}
     ok, plan, reason_code, note = _plan(req, version, channel, settings, numbers, deadline)
@@ -344,6 +348,16 @@ def _size_aware_multicast(facts, prober, world_size):
         return answers[size]
 
     return dataclasses.replace(facts, multicast_granularity_for=for_size)
+
+
+def _flashinfer_needs_a_process_group(req: Request, channel: _vote.Channel) -> bool:
+    """The trtllm workspace of a multi-rank group exchanges through torch.distributed
+    (``TorchDistBackend``, or symmetric memory on WORLD) unless a comm_backend is given;
+    without an initialised process group FlashInfer raises before allocating anything."""
+    return (isinstance(channel, _vote.LocalChannel) and channel.label == _vote.NO_PROCESS_GROUP
+            and isinstance(req.world_size, int) and req.world_size > 1
+            and not req.has_comm_backend
+            and (req.entry == LEGACY or req.backend == "trtllm"))
 
 
 def _group_mismatch(req: Request, channel: _vote.Channel) -> str:

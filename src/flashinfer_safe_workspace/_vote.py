@@ -65,6 +65,9 @@ class Channel:
         raise NotImplementedError
 
 
+NO_PROCESS_GROUP = "torch.distributed not initialised"
+
+
 class LocalChannel(Channel):
     """One rank (world_size 1 or no process group): nothing to exchange."""
 
@@ -236,7 +239,7 @@ def choose_channel(*, group, comm_backend, uses_comm_backend: bool, timeout_s: f
     if not initialised:  # legacy single-process or MPI-launched use: decide locally
         logger.info("%s torch.distributed is not initialised: deciding locally, no vote",
                     rank_tag())
-        return LocalChannel("torch.distributed not initialised")
+        return LocalChannel(NO_PROCESS_GROUP)
     if group is not None and _is_gloo(group):
         return TorchGroupChannel(group, "group")
     return _gloo_twin(group, timeout_s, "group" if group is not None else "WORLD")
