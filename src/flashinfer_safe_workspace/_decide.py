@@ -9,10 +9,9 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from . import _config, _probe, _vote
-from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
 from ._plan import Facts, MiB, PassThrough, Plan, Request, Unplanned, make_plan
 

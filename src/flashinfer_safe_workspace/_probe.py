@@ -57,7 +57,6 @@ class ProbeResult:
     free_bytes: int = -1
     total_bytes: int = -1
     elapsed_s: float = 0.0
-    held_peak: int = 0  # bytes held at once at the end of the probe
 
 
 class ProbeUnavailable(RuntimeError):
@@ -159,16 +158,11 @@ class CudaProber:
         prop = self._prop(dev, "posix", True)
         gran = int(_check(drv.cuMemGetAllocationGranularity(
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
-        mc_gran = DEFAULT_MC_GRANULARITY
         multicast = bool(self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev))
+        mc_gran = None
         if multicast:
-            try:  # a granularity query only: no multicast object is created
-                mc = drv.CUmulticastObjectProp()
-                mc.numDevices = max(int(world_size), 1)
-                mc.size = 1 << 30  # a typical large object; per-size answers: multicast_granularity()
-                mc.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                mc_gran = int(_check(drv.cuMulticastGetGranularity(
-                    mc, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)))
+            try:  # for a typical large object; plans ask per size through multicast_granularity()
+                mc_gran = self.multicast_granularity(dev, world_size, 1 << 30, "posix")
             except Exception:
                 pass
         count = int(_check(drv.cuDeviceGetCount()))
@@ -176,7 +170,7 @@ class CudaProber:
         minor = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR", dev)
         return Facts(
             granularity=gran or DEFAULT_GRANULARITY,
-            multicast_granularity=mc_gran,
+            multicast_granularity=mc_gran or DEFAULT_MC_GRANULARITY,
             fabric_supported=bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev)),
             fabric_nvml_ok=False,
             multicast_supported=multicast,
@@ -224,7 +218,6 @@ class CudaProber:
             wanted = [(a.name, a.bytes, a.api, a.handle_type) for a in plan.probe_allocations]
             if headroom_bytes > 0:
                 wanted.append(("headroom", headroom_bytes, "cuMemCreate", None))
-            held = 0
             for name, size, api, handle in wanted:
                 try:
                     if api == "cuMemCreate":
@@ -239,13 +232,12 @@ class CudaProber:
                         created.append(("mem", _check(drv.cuMemCreate(size, prop, 0))))
                     else:  # cudaMalloc / cuMemAlloc / torch: a plain device allocation
                         created.append(("ptr", _check(drv.cuMemAlloc(max(int(size), 1)))))
-                    held += size
                 except CudaError as exc:
                     result.reason = OUT_OF_MEMORY if exc.code == 2 else PROBE_ERROR
                     result.failed_name, result.failed_bytes = name, int(size)
                     result.cuda_error, result.cuda_error_name = exc.code, exc.name
                     return result
-            result.ok, result.held_peak = True, held
+            result.ok = True
             return result
         finally:
             errors = []
@@ -343,7 +335,7 @@ class SimulatedDevice:
                 self.live_bytes += size
                 held.append(size)
                 self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
-            result.ok, result.held_peak = True, sum(held)
+            result.ok = True
             return result
         finally:
             for size in held:

@@ -20,7 +20,7 @@ import dataclasses
 import datetime
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Sequence
 
 from ._log import logger, rank_tag
 

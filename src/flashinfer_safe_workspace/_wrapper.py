@@ -36,9 +36,7 @@ def make_wrapper(entry: str):
             except Exception:  # noqa: BLE001 - e.g. an argument whose __eq__ raises
                 key = hit = None
             if hit is not None:  # this exact call was vetoed by a completed vote
-                if entry == _decide.LEGACY or settings.on_veto == "raise":
-                    raise WorkspaceVetoed(hit.message, ranks=hit.ranks, details=hit.details)
-                return None
+                return _refuse(entry, settings, hit)
             try:
                 decision = _decide.decide(entry, wrapped, args, kwargs, settings, key)
             except Exception as exc:  # a bug of ours: fail closed (or open) locally
@@ -50,10 +48,7 @@ def make_wrapper(entry: str):
                         f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}",
                         (), ()))
             if decision.action == "veto":
-                info = decision.veto
-                if entry == _decide.LEGACY or settings.on_veto == "raise":
-                    raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
-                return None
+                return _refuse(entry, settings, decision.veto)
             token = _inside.set(True)
             try:
                 if settings.create_timeout > 0:
@@ -64,6 +59,14 @@ def make_wrapper(entry: str):
                 _inside.reset(token)
 
     return wrapper
+
+
+def _refuse(entry: str, settings, info: "_decide.VetoInfo"):
+    """What the caller gets on a veto: ``None``, or ``WorkspaceVetoed`` in raise mode and
+    always for the legacy tuple-returning function."""
+    if entry == _decide.LEGACY or settings.on_veto == "raise":
+        raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
+    return None
 
 
 class _Watchdog:
