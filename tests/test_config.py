@@ -82,7 +82,7 @@ def test_defaults_match_settings_dataclass():
 
 
 def test_only_config_reads_the_environment():
-    src = ROOT / "src" / "flashinfer_safe_workspace"
+    src = ROOT / "flashinfer_safe_workspace"
     offenders = [p.name for p in src.glob("*.py")
                  if p.name != "_config.py" and re.search(r"os\.environ|getenv", p.read_text())
                  and p.name not in ("_demo.py",  # the demo builds its children's environment

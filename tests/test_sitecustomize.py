@@ -21,7 +21,7 @@ def _run(tmp_path, value):
     other.mkdir()
     (other / "sitecustomize.py").write_text("import sys\nsys._shadowed_ran = True\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_SAFE_WORKSPACE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE), str(other), str(ROOT / "src")])
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE), str(other), str(ROOT)])
     if value is not None:
         env["FLASHINFER_SAFE_WORKSPACE"] = value
     proc = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True,

@@ -879,7 +879,7 @@ def case_h(ctx: Ctx) -> dict:
                    env_extra={"FLASHINFER_SAFE_WORKSPACE": "1"})
     checks, rows = [], []
     act = [first(run, r, "activation") or {} for r in range(ctx.world_size)]
-    src_dir = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
+    src_dir = os.path.join(os.path.dirname(os.path.dirname(HERE)), "flashinfer_safe_workspace")
     for r, a in enumerate(act):
         checks.append(check(f"rank {r}: .pth imported the shim at interpreter start",
                             a.get("fiws_imported_at_start") is True,
