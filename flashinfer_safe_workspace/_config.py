@@ -7,6 +7,7 @@ it logs one warning (per variable and value) and the default is used.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -33,7 +34,8 @@ def parse_bool(text: str) -> bool:
     raise ParseError("expected one of 1/true/yes/on or 0/false/no/off")
 
 
-def _number(kind: Callable[[str], Any], minimum: float, allow_zero: bool = True):
+def _number(kind: Callable[[str], Any], minimum: float, allow_zero: bool = True,
+            maximum: float = math.inf):
     def parse(text: str):
         try:
             value = kind(text.strip())
@@ -45,9 +47,23 @@ def _number(kind: Callable[[str], Any], minimum: float, allow_zero: bool = True)
             raise ParseError(
                 f"expected a number {'>' if not allow_zero else '>='} {minimum}"
             )
+        if value > maximum:
+            raise ParseError(f"expected at most {maximum:g}")
         return value
 
     return parse
+
+
+def _auto_or(parse_number: Callable[[str], Any]):
+    def parse(text: str):
+        if text.strip().lower() == "auto":
+            return "auto"
+        return parse_number(text)
+
+    return parse
+
+
+DAY_S = 86400.0  # no wait of ours is meant to be longer
 
 
 def _choice(*choices: str):
@@ -77,13 +93,15 @@ VARIABLES: tuple[Var, ...] = (
     Var(f"{PREFIX}_ON_VETO", "on_veto", "none\\|raise", "none", _choice("none", "raise"),
         "What every rank gets when the vote vetoes: `None`, or `WorkspaceVetoed` raised. "
         "The legacy tuple-returning function always raises."),
-    Var(f"{PREFIX}_HEADROOM_MB", "headroom_mb", "int MiB >= 0", 512, _number(int, 0),
-        "Extra device memory each rank must be able to hold on top of the plan's peak "
-        "(cold NCCL start-up inside FlashInfer's first collective, small tails)."),
-    Var(f"{PREFIX}_VOTE_TIMEOUT", "vote_timeout", "seconds > 0", 120.0,
-        _number(float, 0, allow_zero=False),
-        "Bound on the vote (and on creating the gloo group it runs on). A rank that does "
-        "not answer in time is a veto on every rank that did."),
+    Var(f"{PREFIX}_HEADROOM_MB", "headroom_mb", "auto\\|int MiB 0–1048576", "auto",
+        _auto_or(_number(int, 0, maximum=1 << 20)),
+        "Extra device memory each rank must be able to hold on top of the plan's peak. "
+        "`auto`: the NCCL start-up reserve when FlashInfer's collectives will start an NCCL "
+        "communicator, a small reserve otherwise (see the design notes); a number: that many MiB."),
+    Var(f"{PREFIX}_VOTE_TIMEOUT", "vote_timeout", "seconds, 0 < t <= 86400", 120.0,
+        _number(float, 0, allow_zero=False, maximum=DAY_S),
+        "Bound on the decision. A rank that has not answered in time is a veto on every rank; "
+        "every rank returns within it plus 2 s."),
     Var(f"{PREFIX}_FAIL_OPEN", "fail_open", "bool", False, parse_bool,
         "When our own code fails on a rank (no driver, unplanned case, bug), vote yes "
         "instead of no."),
@@ -91,8 +109,8 @@ VARIABLES: tuple[Var, ...] = (
         "newest", _choice("newest", "pass-through", "veto"),
         "FlashInfer newer than the newest release we mirror: plan with the newest rules, "
         "call FlashInfer unprotected, or veto."),
-    Var(f"{PREFIX}_CREATE_TIMEOUT", "create_timeout", "seconds >= 0 (0 = off)", 0.0,
-        _number(float, 0),
+    Var(f"{PREFIX}_CREATE_TIMEOUT", "create_timeout", "seconds 0–86400 (0 = off)", 0.0,
+        _number(float, 0, maximum=DAY_S),
         "Watchdog on FlashInfer's own creation call after a yes vote: past it, log what "
         "the rank is waiting for (and abort with ON_HANG=abort)."),
     Var(f"{PREFIX}_ON_HANG", "on_hang", "log\\|abort", "log", _choice("log", "abort"),
@@ -104,21 +122,17 @@ VARIABLES: tuple[Var, ...] = (
 BY_NAME = {var.name: var for var in VARIABLES}
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    enabled: bool = False
-    on_veto: str = "none"
-    headroom_mb: int = 512
-    vote_timeout: float = 120.0
-    fail_open: bool = False
-    unknown_version: str = "newest"
-    create_timeout: float = 0.0
-    on_hang: str = "log"
-    debug: bool = False
+def _headroom_bytes(self):
+    """The headroom in bytes, or None for ``auto`` (resolved per call)."""
+    return None if self.headroom_mb == "auto" else int(self.headroom_mb) << 20
 
-    @property
-    def headroom_bytes(self) -> int:
-        return int(self.headroom_mb) << 20
+
+# Settings: one frozen field per variable, its default from the table (no second list).
+Settings = dataclasses.make_dataclass(
+    "Settings", [(var.field, type(var.default), dataclasses.field(default=var.default))
+                 for var in VARIABLES],
+    frozen=True, namespace={"headroom_bytes": property(_headroom_bytes),
+                            "__module__": __name__})
 
 
 _warned: set[tuple[str, str]] = set()
@@ -137,6 +151,17 @@ def _warn_once(var: Var, raw: str, why: str) -> None:
     )
 
 
+def _warn_unknown(name: str) -> None:
+    key = (name, "")
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    _log.warning("flashinfer_safe_workspace: unknown variable %s is ignored%s", name, hint)
+
+
 def read_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Settings from ``environ`` (default: the process environment) and overrides.
 
@@ -146,6 +171,9 @@ def read_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    for name in env:
+        if name.startswith(PREFIX + "_") and name not in BY_NAME:
+            _warn_unknown(name)
     for var in VARIABLES:
         raw = env.get(var.name)
         if raw is None or raw.strip() == "":
@@ -166,8 +194,11 @@ def read_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
                 raise ValueError(f"{key}={value!r}: {exc}") from None
         elif isinstance(var.default, bool):
             value = bool(value)
-        elif isinstance(var.default, (int, float)):
-            value = var.parse(str(value))
+        elif isinstance(var.default, (int, float)) or var.field == "headroom_mb":
+            try:
+                value = var.parse(str(value))
+            except ParseError as exc:
+                raise ValueError(f"{key}={value!r}: {exc}") from None
         values[key] = value
     return Settings(**values)
 

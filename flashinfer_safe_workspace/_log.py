@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -50,3 +51,66 @@ def internal_error(site: str, exc: BaseException) -> None:
                        rank_tag(), site, type(exc).__name__, exc)
     logger.debug("traceback for %s:\n%s", site,
                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+# --------------------------------------------------------------------------- the decision line
+#
+# One INFO line per decision per rank, stable for grepping; ``DECISION_LINE`` parses it (the
+# README documents every field; tests/test_logs.py checks the README's example against it).
+
+DECISION_FIELDS = ("rank", "pid", "outcome", "entry", "backend", "ranks", "device", "plan_bytes",
+                   "free_bytes", "headroom_bytes", "headroom", "probe", "answer", "caller",
+                   "audit", "elapsed_ms")
+
+DECISION_LINE = re.compile(
+    r"fiws decision rank=(?P<rank>-|\d+) pid=(?P<pid>\d+) outcome=(?P<outcome>pass|veto)"
+    r" entry=(?P<entry>unified|legacy) backend=(?P<backend>[a-z-]+)"
+    r" ranks=(?P<ranks>-|\d+(?:,\d+)*) device=(?P<device>cuda:\d+|-)"
+    r" plan_bytes=(?P<plan_bytes>-?\d+) free_bytes=(?P<free_bytes>-?\d+)"
+    r" headroom_bytes=(?P<headroom_bytes>-?\d+) headroom=(?P<headroom>[a-z-]+)"
+    r" probe=(?P<probe>ok|no|-) answer=(?P<answer>create|none|raise)"
+    r" caller=(?P<caller>[A-Za-z0-9_.<>-]+) audit=(?P<audit>ok|mismatch|skipped|raised|-)"
+    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+)$")
+
+
+def format_decision(**f) -> str:
+    return ("fiws decision rank={rank} pid={pid} outcome={outcome} entry={entry} backend={backend} "
+            "ranks={ranks} device={device} plan_bytes={plan_bytes} free_bytes={free_bytes} "
+            "headroom_bytes={headroom_bytes} headroom={headroom} probe={probe} answer={answer} "
+            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f}").format(**f)
+
+
+def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
+    """Log the decision line of ``d`` (a ``_decide.Decision``). Never raises."""
+    try:
+        plan, req = d.plan, d.request
+        backend = plan.backend if plan is not None else getattr(req, "backend", "-")
+        ranks = ",".join(map(str, d.members.ranks)) if d.members is not None else "-"
+        line = format_decision(
+            rank=rank_tag().split()[0].split("=")[1], pid=os.getpid(), outcome=outcome,
+            entry=getattr(req, "entry", "unified"), backend=backend or "-", ranks=ranks,
+            device=f"cuda:{d.device}" if d.device >= 0 else "-",
+            plan_bytes=plan.peak_bytes if plan is not None else -1, free_bytes=d.free_bytes,
+            headroom_bytes=d.headroom_bytes, headroom=d.headroom_why or "-",
+            probe="-" if d.probe_ok is None else ("ok" if d.probe_ok else "no"),
+            answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms)
+        logger.info(line)
+    except Exception as exc:  # noqa: BLE001 - a log line must never fail the call
+        internal_error("log.decision", exc)
+
+
+def parse_decision_lines(text: str) -> list:
+    """Every decision line in ``text`` as a dict with typed values."""
+    out = []
+    for raw in text.splitlines():
+        match = DECISION_LINE.search(raw.rstrip())
+        if match is None:
+            continue
+        d = match.groupdict()
+        d["rank"] = None if d["rank"] == "-" else int(d["rank"])
+        d["ranks"] = [] if d["ranks"] == "-" else [int(x) for x in d["ranks"].split(",")]
+        for key in ("pid", "plan_bytes", "free_bytes", "headroom_bytes"):
+            d[key] = int(d[key])
+        d["elapsed_ms"] = float(d["elapsed_ms"])
+        out.append(d)
+    return out

@@ -17,30 +17,10 @@ import threading
 import time
 from typing import Optional
 
-from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, round_up
+from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, MiB, Plan, round_up  # noqa: F401
 
-MiB = 1 << 20
-
-# reason codes carried in the vote record (ints: the vote payload is a tensor)
-OK = 0
-OUT_OF_MEMORY = 1
-PROBE_ERROR = 2
-INTERNAL_ERROR = 3
-UNPLANNED = 4
-NO_DEVICE = 5
-ARG_MISMATCH = 6
-UNKNOWN_VERSION = 7
-
-REASON_TEXT = {
-    OK: "ok",
-    OUT_OF_MEMORY: "out of memory",
-    PROBE_ERROR: "probe failed",
-    INTERNAL_ERROR: "internal error",
-    UNPLANNED: "no allocation rule for this call",
-    NO_DEVICE: "no usable CUDA driver or device",
-    ARG_MISMATCH: "arguments disagree with the group",
-    UNKNOWN_VERSION: "FlashInfer release not mirrored",
-}
+# reason codes live with the records (_vote); the probe reports these two
+from ._vote import OK, OUT_OF_MEMORY, PROBE_ERROR  # noqa: E402,F401
 
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 
@@ -61,6 +41,10 @@ class ProbeResult:
 
 class ProbeUnavailable(RuntimeError):
     """No driver, no bindings, no device: this rank cannot probe."""
+
+
+class DriverQueryFailed(RuntimeError):
+    """A driver query the plan depends on (attribute, granularity) failed."""
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -104,7 +88,6 @@ class CudaProber:
 
     def __init__(self):
         self._drv = None
-        self._lock = threading.Lock()
 
     def _ready(self):
         if self._drv is None:
@@ -146,11 +129,13 @@ class CudaProber:
         return prop
 
     def _attr(self, name: str, device: int) -> int:
+        """A device attribute. A query that fails raises (``DriverQueryFailed``): a plan
+        built on a guessed attribute could switch protection off, so the rank says no."""
         drv = self._drv
         try:
             return int(_check(drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)))
-        except Exception:
-            return 0
+        except Exception as exc:
+            raise DriverQueryFailed(f"cuDeviceGetAttribute({name}) failed: {exc}") from None
 
     def facts(self, device: Optional[int], confidential_compute: bool, world_size: int) -> Facts:
         drv = self._ready()
@@ -160,11 +145,11 @@ class CudaProber:
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
         multicast = bool(self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev))
         mc_gran = None
-        if multicast:
-            try:  # for a typical large object; plans ask per size through multicast_granularity()
+        if multicast:  # for a typical large object; plans ask per size (multicast_granularity)
+            try:
                 mc_gran = self.multicast_granularity(dev, world_size, 1 << 30, "posix")
-            except Exception:
-                pass
+            except Exception as exc:
+                raise DriverQueryFailed(f"cuMulticastGetGranularity failed: {exc}") from None
         count = int(_check(drv.cuDeviceGetCount()))
         major = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR", dev)
         minor = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR", dev)
@@ -262,11 +247,17 @@ class CudaProber:
 
 
 def _extra_facts() -> dict:
-    fields = {f.name for f in dataclasses.fields(Facts)}
-    extra = {}
-    if "imex_channel" in fields:
-        extra["imex_channel"] = os.path.exists(IMEX_CHANNEL)
-    return extra
+    return {"imex_channel": os.path.exists(IMEX_CHANNEL)}
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no probe then)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available()
+                    and torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 # --------------------------------------------------------------------------- simulated

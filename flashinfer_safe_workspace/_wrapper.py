@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from . import _config, _decide
+from . import _config, _decide, _explain, _log
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
 
@@ -28,43 +28,67 @@ def make_wrapper(entry: str):
     def wrapper(wrapped, instance, args, kwargs):
         if _inside.get():
             return wrapped(*args, **kwargs)
-        with _decide._call_lock:
-            settings = _config.current()
-            try:
-                key = _decide.fast_key(entry, wrapped, args, kwargs)
-                hit = _decide.cached_veto(key)
-            except Exception:  # noqa: BLE001 - e.g. an argument whose __eq__ raises
-                key = hit = None
-            if hit is not None:  # this exact call was vetoed by a completed vote
-                return _refuse(entry, settings, hit)
-            try:
-                decision = _decide.decide(entry, wrapped, args, kwargs, settings, key)
-            except Exception as exc:  # a bug of ours: fail closed (or open) locally
-                internal_error("decide", exc)
-                if settings.fail_open:
-                    decision = _decide.Decision("call", "internal error; fail-open")
-                else:
-                    decision = _decide.Decision("veto", "internal error", _decide.VetoInfo(
-                        f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}",
-                        (), ()))
-            if decision.action == "veto":
-                return _refuse(entry, settings, decision.veto)
-            token = _inside.set(True)
-            try:
-                if settings.create_timeout > 0:
-                    with _Watchdog(settings, decision, entry):
-                        return wrapped(*args, **kwargs)
-                return wrapped(*args, **kwargs)
-            finally:
-                _inside.reset(token)
+        settings = _config.current()
+        try:
+            hit, fast = _decide.cached_veto(entry, wrapped, args, kwargs)
+        except Exception:  # noqa: BLE001 - e.g. an argument whose __eq__ raises
+            hit = fast = None
+        if hit is not None:  # this exact call was vetoed by a decided round
+            return _refuse(entry, settings, hit)
+        try:
+            decision = _decide.decide(entry, wrapped, args, kwargs, settings, fast)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: fail closed (or open)
+            internal_error("decide", exc)
+            if settings.fail_open:
+                decision = _decide.Decision("call", "internal error; fail-open")
+            else:
+                decision = _decide.Decision("veto", "internal error", _explain.local(
+                    f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}"))
+        if decision.action == "veto":
+            return _refuse(entry, settings, decision.veto, decision)
+        token = _inside.set(True)
+        audit = "-"
+        try:
+            if settings.create_timeout > 0:
+                with _Watchdog(settings, decision, entry):
+                    result = wrapped(*args, **kwargs)
+            else:
+                result = wrapped(*args, **kwargs)
+        except BaseException:
+            audit = "raised"
+            raise
+        finally:
+            _inside.reset(token)
+            if decision.logged:
+                _log.decision(decision, "pass", "create", "-", audit)
+        return result
 
     return wrapper
 
 
-def _refuse(entry: str, settings, info: "_decide.VetoInfo"):
+def _answer(entry: str, settings) -> tuple:
+    """(kind, caller) a veto gives this caller: ``None`` or ``WorkspaceVetoed``."""
+    if entry == _decide.LEGACY:
+        return "raise", "-"
+    return ("raise" if settings.on_veto == "raise" else "none"), "-"
+
+
+def _refuse(entry: str, settings, info, decision=None):
     """What the caller gets on a veto: ``None``, or ``WorkspaceVetoed`` in raise mode and
     always for the legacy tuple-returning function."""
-    if entry == _decide.LEGACY or settings.on_veto == "raise":
+    try:
+        kind, caller = _answer(entry, settings)
+    except Exception as exc:  # noqa: BLE001
+        internal_error("answer", exc)
+        kind, caller = ("raise" if entry == _decide.LEGACY else "none"), "-"
+    if decision is not None and decision.logged:
+        _log.decision(decision, "veto", kind, caller, "-")
+        logger.warning("flashinfer_safe_workspace %s: vetoed on every rank (answer=%s): %s",
+                       rank_tag(), kind, info.message)
+    elif decision is None or decision.cached:
+        logger.debug("fiws decision %s outcome=veto-cached entry=%s answer=%s", rank_tag(),
+                     entry, kind)
+    if kind == "raise":
         raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
     return None
 

@@ -19,13 +19,23 @@ import datetime, json, os, sys, time
 import torch
 import torch.distributed as dist
 RANK = int(os.environ["FIWS_TEST_RANK"]); WORLD = int(os.environ["FIWS_TEST_WORLD"])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["FIWS_TEST_PORT"],
+dist.init_process_group(os.environ.get("FIWS_TEST_BACKEND", "gloo"), init_method="tcp://127.0.0.1:" + os.environ["FIWS_TEST_PORT"],
                         rank=RANK, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
 result = {"rank": RANK}
 """
 
 EPILOGUE = """
 print("FIWS_RESULT " + json.dumps(result, default=str), flush=True)
+# rank 0 hosts the TCPStore: it stays until every rank is done (bounded), so that a rank
+# finishing early never takes the store away from a peer still deciding
+try:
+    _st = dist.distributed_c10d._get_default_store()
+    _st.set(f"harness/done/{RANK}", "1")
+    if RANK == 0:
+        _st.wait([f"harness/done/{r}" for r in range(WORLD)],
+                 datetime.timedelta(seconds=float(os.environ.get("FIWS_LINGER_S", "30"))))
+except Exception:
+    pass
 os._exit(0)
 """
 

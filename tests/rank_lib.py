@@ -24,10 +24,67 @@ class RecordingWorkspace:
         pass
 
 
+class _Capture:
+    """Keeps this process's log records of the shim (decision lines, warnings)."""
+
+    def __init__(self):
+        import logging
+
+        self.records = []
+        self.handler = logging.Handler(level=logging.DEBUG)
+        self.handler.emit = self.records.append
+        log = logging.getLogger("flashinfer_safe_workspace")
+        log.addHandler(self.handler)
+        log.setLevel(logging.DEBUG)
+
+    def lines(self):
+        return [r.getMessage() for r in self.records]
+
+
+capture = None
+
+
+def decisions():
+    """This process's decision lines so far, parsed (``_log.parse_decision_lines``)."""
+    from flashinfer_safe_workspace import _log
+
+    return _log.parse_decision_lines("\n".join(capture.lines() if capture else []))
+
+
+def last_decision():
+    found = decisions()
+    return found[-1] if found else None
+
+
+def warnings():
+    return [r.getMessage() for r in (capture.records if capture else []) if r.levelname == "WARNING"]
+
+
+def host_all_reduce_ok(group=None, timeout=10.0):
+    """The host's own collective on its own group still works after our decision."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    try:
+        work = dist.all_reduce(t, group=group, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # reported, not raised
+        return f"{type(exc).__name__}: {exc}"[:300]
+    size = dist.get_world_size(group)
+    return bool(t.item() == size) or f"all_reduce gave {t.item()} for {size} ranks"
+
+
 def setup(free_mb=None, *, device=None, **overrides):
     """Install the shim with a simulated device of ``free_mb`` MiB free."""
+    global capture
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace import _probe
+
+    if capture is None:
+        capture = _Capture()
 
     dev = _probe.SimulatedDevice((80 << 30) if free_mb is None else int(free_mb * MiB),
                                  device=0 if device is None else device)
@@ -47,7 +104,13 @@ def need_mb(world_size=2, max_token_num=2048, hidden_dim=4096, dtype="bfloat16",
     req = _plan.Request("unified", "trtllm", world_size, 0, max_token_num, hidden_dim, dtype)
     facts = _probe.SimulatedDevice(1 << 40).facts(None, False, world_size)
     plan = _plan.make_plan(req, facts, flashinfer.__version__)
-    head = _config.current().headroom_mb if headroom_mb is None else headroom_mb
+    if headroom_mb is None:  # what the shim itself would use for this call on WORLD
+        from flashinfer_safe_workspace import _group, _request
+
+        members = _group.members_for(group=None, comm_backend=None, uses_comm_backend=True)
+        head = _request.headroom(_config.current(), req, members)[0] / MiB
+    else:
+        head = headroom_mb
     return plan.peak_bytes / MiB + head
 
 

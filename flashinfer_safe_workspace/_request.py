@@ -1,0 +1,226 @@
+"""A creation call's arguments: the normalised Request, its identity, and its record.
+
+The identity is what every rank of the group must have called with (everything but the
+rank index and the per-call objects such as ``group`` or ``comm_backend``): equal calls
+meet in the same round, and the record carries the arguments themselves so that a rank
+that called differently is named with both values.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from typing import Callable, Optional
+
+from . import _group, _plan, _vote
+from ._plan import Request
+
+UNIFIED = "unified"
+LEGACY = "legacy"
+
+CUTEDSL_OPTIONS = frozenset({
+    "top_k", "rms_eps", "weight_bias", "routed_scaling_factor", "include_shared_expert",
+    "add_residual", "write_residual_output", "apply_rms_norm", "output_dtype", "dynamic_fp8",
+    "write_norm_output", "config"})
+
+
+def dtype_name(dtype) -> Optional[str]:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (strings pass through; None stays None)."""
+    if dtype is None:
+        return None
+    text = str(dtype)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+@functools.lru_cache(maxsize=32)
+def _signature(original: Callable) -> inspect.Signature:
+    return inspect.signature(original)
+
+
+def build(entry: str, original: Callable, args: tuple, kwargs: dict):
+    """Bind the call to FlashInfer's own signature: ``(Request, arguments)``, or
+    ``(None, None)`` when it does not bind (FlashInfer will raise its own TypeError)."""
+    try:
+        bound = _signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return None, None
+    bound.apply_defaults()
+    a = bound.arguments
+    if entry == UNIFIED:
+        cutedsl = tuple(sorted((name, value) for name, value in a.items()
+                               if name in CUTEDSL_OPTIONS and value is not None))
+        req = Request(
+            entry=UNIFIED, backend=a.get("backend", "auto"), world_size=a.get("world_size"),
+            rank=a.get("rank"), max_token_num=a.get("max_token_num"),
+            hidden_dim=a.get("hidden_dim"), dtype=dtype_name(a.get("dtype")),
+            force_oneshot_support=bool(a.get("force_oneshot_support", False)),
+            gpus_per_node=a.get("gpus_per_node"),
+            has_comm_backend=a.get("comm_backend") is not None,
+            cutedsl_options=tuple((name, repr(value)) for name, value in cutedsl),
+            cutedsl_values=cutedsl)
+    else:
+        req = Request(
+            entry=LEGACY, backend="trtllm", world_size=a.get("tp_size"), rank=a.get("tp_rank"),
+            max_token_num=a.get("max_token_num"), hidden_dim=a.get("hidden_dim"),
+            dtype="float32" if a.get("use_fp32_lamport") else None,
+            use_fp32_lamport=bool(a.get("use_fp32_lamport", False)),
+            use_symm_dev_mem=bool(a.get("use_symm_dev_mem", False)),
+            create_metadata=bool(a.get("create_metadata", False)),
+            has_comm_backend=a.get("comm_backend") is not None)
+    return req, a
+
+
+def summary(req: Request) -> dict:
+    """The arguments every rank must share, as plain values (for records and messages)."""
+    out = {"entry": req.entry, "backend": req.backend, "world_size": req.world_size,
+           "max_token_num": req.max_token_num, "hidden_dim": req.hidden_dim, "dtype": req.dtype}
+    if req.entry == UNIFIED:
+        out.update(force_oneshot_support=req.force_oneshot_support,
+                   gpus_per_node=req.gpus_per_node, comm_backend=req.has_comm_backend)
+        if req.cutedsl_options:
+            out["cutedsl"] = [list(pair) for pair in req.cutedsl_options]
+    else:
+        out.update(use_fp32_lamport=req.use_fp32_lamport, use_symm_dev_mem=req.use_symm_dev_mem,
+                   create_metadata=req.create_metadata, comm_backend=req.has_comm_backend)
+    return {k: (v if isinstance(v, (bool, int, float, str, list)) or v is None else repr(v))
+            for k, v in out.items()}
+
+
+def identity(req: Request) -> str:
+    return _vote.digest(summary(req))
+
+
+def base_record(req: Request, members: _group.Members) -> dict:
+    return {"m": _vote.MAGIC, "rank": _group.global_rank(), "pid": os.getpid(),
+            "pos": members.me, "id": identity(req), "args": summary(req), "c": {}}
+
+
+def record_for_unbound(members: _group.Members) -> dict:
+    """The "no" of a rank whose arguments do not bind (its FlashInfer call raises)."""
+    return {"m": _vote.MAGIC, "rank": _group.global_rank(), "pid": os.getpid(),
+            "pos": members.me, "id": "unbound", "args": {"arguments": "do not bind"},
+            "c": {"-": {"s": "no", "r": _vote.PASS_THROUGH,
+                        "n": "its arguments do not bind to FlashInfer's signature"}}}
+
+
+def uses_comm_backend(req: Request) -> bool:
+    if req.entry == LEGACY:
+        return req.use_symm_dev_mem
+    return True  # unified: the comm_backend if given, else group/WORLD (mnnvl: MPI world)
+
+
+def needs_process_group(req: Request, members: _group.Members) -> bool:
+    """The trtllm workspace of a multi-rank group exchanges through torch.distributed
+    (``TorchDistBackend``, or symmetric memory on WORLD) unless a comm_backend is given;
+    without an initialised process group FlashInfer raises before allocating anything."""
+    return (members.label == _group.NO_PROCESS_GROUP
+            and isinstance(req.world_size, int) and req.world_size > 1
+            and not req.has_comm_backend
+            and (req.entry == LEGACY or req.backend == "trtllm"))
+
+
+def group_mismatch(req: Request, members: _group.Members) -> str:
+    if members.label == _group.NO_PROCESS_GROUP:
+        return ""
+    if isinstance(req.world_size, int) and req.world_size != members.size:
+        return (f"world_size={req.world_size} but the group FlashInfer will use ({members.label}) "
+                f"has {members.size} ranks {list(members.ranks)}")
+    if isinstance(req.rank, int) and req.rank != members.me:
+        return f"rank={req.rank} but this process is rank {members.me} of {members.label}"
+    return ""
+
+
+# --------------------------------------------------------------------------- rules glue
+
+
+def flashinfer_version() -> Optional[str]:
+    module = sys.modules.get("flashinfer")
+    version = getattr(module, "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as dist_version
+            version = dist_version("flashinfer-python")
+        except Exception:  # noqa: BLE001
+            return None
+    return str(version)
+
+
+def unknown_version(version: Optional[str]) -> bool:
+    from . import _releases
+
+    if version is None:
+        return False
+    try:
+        return _releases.is_unknown(version)
+    except Exception:  # noqa: BLE001 - older than every rule: the plan says Unplanned
+        return False
+
+
+def newest() -> str:
+    from . import _releases
+
+    return ".".join(map(str, _releases.NEWEST[:3]))
+
+
+def auto_by_vote(req: Request, version: Optional[str]) -> bool:
+    from . import _releases
+
+    try:
+        return bool(version) and _releases.needs_group_multicast_vote(req, version)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def plan_for(req: Request, facts, version: Optional[str]):
+    if version is None:
+        raise _plan.Unplanned("FlashInfer's version cannot be read")
+    return _plan.make_plan(req, facts, version)
+
+
+def facts_for(req: Request, members: _group.Members):
+    """This rank's facts from the runtime (driver, FlashInfer, torch)."""
+    from . import _probe
+
+    cc = _confidential_compute() if req.entry == UNIFIED else False
+    ws = req.world_size if isinstance(req.world_size, int) else 1
+    prober = _probe.get_prober()
+    facts = prober.facts(None, cc, ws)
+    return _size_aware_multicast(facts, prober, ws)
+
+
+def _size_aware_multicast(facts, prober, world_size):
+    import dataclasses
+
+    query = getattr(prober, "multicast_granularity", None)
+    if query is None:
+        return facts
+    handle = "fabric" if facts.fabric_supported and facts.imex_channel else "posix"
+    answers: dict = {}
+
+    def for_size(size: int):
+        if size not in answers:
+            answers[size] = query(None, world_size, size, handle)
+        return answers[size]
+
+    return dataclasses.replace(facts, multicast_granularity_for=for_size)
+
+
+def _confidential_compute() -> bool:
+    """FlashInfer's own answer where the release has it (it caches it)."""
+    from . import _config
+
+    utils = sys.modules.get("flashinfer.utils")
+    fn = getattr(utils, "is_confidential_compute", None)
+    if fn is not None:
+        return bool(fn())
+    return _config.flashinfer_confidential_compute_override() == "1"
+
+
+def headroom(settings, req: Request, members: _group.Members):
+    """(bytes, why) of the headroom for this call."""
+    fixed = settings.headroom_bytes
+    if fixed is not None:
+        return fixed, "set"
+    return 512 << 20, "unknown"

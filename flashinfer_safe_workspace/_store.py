@@ -1,0 +1,148 @@
+"""Our own bounded line to the c10d store of the default process group.
+
+The agreement needs a handful of key/value operations (``set``, ``check``, ``multi_get``,
+``compare_set``, ``add``, ``delete_key``). They run on one daemon thread of ours, over our
+own connection (``clone()`` of the host's default store, so the host's store object, its
+timeout and its socket are never touched), and the caller waits for each one in short
+slices: Ctrl-C reaches the host within a slice, and a store host that stops answering
+(SIGSTOP, a dead machine) costs the caller at most its deadline.
+
+Operations are executed in the order they were submitted, on one connection. A caller that
+gives up (deadline, interrupt) may still submit an ``abort`` behind the operation that is
+stuck; it is sent as soon as the store answers again, before anything submitted later.
+At most one operation per process can be stuck at a time: later callers queue behind it and
+give up at their own deadlines. After ``fork()`` the child starts with no connection and no
+thread (``os.register_at_fork``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+SLICE_S = 0.1  # longest uninterrupted wait of the calling thread
+
+
+class StoreUnavailable(RuntimeError):
+    """No default store (torch.distributed not initialised), or it cannot be reached."""
+
+
+class StoreTimeout(RuntimeError):
+    """An operation did not complete before the caller's deadline."""
+
+
+class _Op:
+    __slots__ = ("fn", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[Any], Any]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.value = None
+        self.error: Optional[BaseException] = None
+
+
+class StoreLine:
+    """One connection and one worker thread, shared by every decision of this process."""
+
+    def __init__(self, opener: Callable[[], Any]):
+        self._opener = opener
+        self._store = None
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Condition(threading.Lock())
+        self._thread: Optional[threading.Thread] = None
+        self.busy_since: Optional[float] = None  # monotonic start of the op in progress
+
+    # -- worker
+    def _run(self):
+        while True:
+            with self._wake:
+                while not self._queue:
+                    self._wake.wait()
+                op = self._queue.popleft()
+            self.busy_since = time.monotonic()
+            try:
+                if self._store is None:
+                    self._store = self._opener()
+                op.value = op.fn(self._store)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                op.error = exc
+            finally:
+                self.busy_since = None
+                op.done.set()
+
+    def _start(self):
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="fiws-store", daemon=True)
+            self._thread.start()
+
+    # -- callers
+    def submit(self, fn: Callable[[Any], Any]) -> _Op:
+        op = _Op(fn)
+        with self._wake:
+            self._start()
+            self._queue.append(op)
+            self._wake.notify()
+        return op
+
+    def call(self, fn: Callable[[Any], Any], deadline: float):
+        """Run ``fn(store)`` on the worker; wait until it is done or ``deadline`` (monotonic)."""
+        op = self.submit(fn)
+        while not op.done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreTimeout("the c10d store did not answer in time")
+            op.done.wait(min(left, SLICE_S))
+        if op.error is not None:
+            raise op.error
+        return op.value
+
+    def stuck_for(self) -> float:
+        """Seconds the operation in progress has been running (0 when idle)."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+def _open_clone():
+    """Our own connection to the default store (same keys, same prefix as the host's)."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    try:
+        mine = store.clone()
+    except Exception:  # noqa: BLE001 - a store without clone(): use it as it is
+        return store
+    try:
+        mine.set_timeout(datetime.timedelta(seconds=_op_timeout_s))
+    except Exception:  # noqa: BLE001
+        pass
+    return mine
+
+
+_op_timeout_s = 300.0  # our connection's own timeout; the caller's deadline comes first
+_line: Optional[StoreLine] = None
+_line_lock = threading.Lock()
+
+
+def line(vote_timeout_s: float) -> StoreLine:
+    """The process's store line (made on first use; never at import time)."""
+    global _line, _op_timeout_s
+    with _line_lock:
+        _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
+        if _line is None:
+            _line = StoreLine(_open_clone)
+        return _line
+
+
+def _after_fork_in_child():
+    global _line, _line_lock
+    _line = None
+    _line_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
