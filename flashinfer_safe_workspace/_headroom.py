@@ -24,8 +24,10 @@ already holds its communicator. That is read with ``ProcessGroup._get_backend(cu
 (a lookup: it never constructs a backend) and ``ProcessGroupNCCL._is_initialized()``
 (true when its communicator map is non-empty and every communicator in it finished
 initialising; it creates none). The binding is in torch's own tests from October 2024
-(pytorch PR #138665), i.e. torch 2.6 and later; where it is missing, the state cannot
-be told and the NCCL reserve is used. A group bound to another device than the
+(pytorch PR #138665), i.e. torch 2.6 and later; seen on the H200 with torch 2.11
+(bench/results/audit.nccl-query-h200.txt: False for a lazy group, True after the first
+collective or with ``device_id``, and asking moved free memory by 0 bytes). Where it is
+missing, the state cannot be told and the NCCL reserve is used. A group bound to another device than the
 current one (``bound_device_id``) cannot be told either.
 """
 
@@ -47,7 +49,9 @@ SMALL_RESERVE_MB = 64
 
 # NCCL's lazy communicator start-up inside FlashInfer's first collective. On H200 a
 # rank with 122 MiB left after the plan died there; 512 MiB is about twice that,
-# until a two-GPU measurement replaces it.
+# until a two-GPU measurement replaces it. Note: a ONE-rank NCCL communicator's
+# start-up took 650-652 MiB on the H200 with torch 2.11
+# (bench/results/audit.nccl-query-h200.txt), more than this reserve.
 NCCL_RESERVE_MB = 512
 
 AUTO = "auto"
