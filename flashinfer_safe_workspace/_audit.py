@@ -171,9 +171,12 @@ class Audit:
                 self._verdict()
             _last = self
             if self.identity is not None and self.status in ("ok", "mismatch"):
-                with _lock:
-                    if self.observed_held_bytes > _floors.get(self.identity, 0):
-                        _floors[self.identity] = self.observed_held_bytes
+                try:
+                    with _lock:
+                        if self.observed_held_bytes > _floors.get(self.identity, 0):
+                            _floors[self.identity] = self.observed_held_bytes
+                except TypeError:  # an unhashable identity: no floor, verdict stands
+                    pass
         except Exception as e:  # noqa: BLE001
             self.status, self.reason = "skipped", f"audit failed: {type(e).__name__}: {e}"
         self.overhead_s += time.perf_counter() - began

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import threading
 
 import pytest
@@ -318,6 +317,15 @@ def test_skipped_when_nothing_is_observable_or_no_plan(installed):
     rec.stop()
     assert audit.status == "skipped"
     assert audit.report_line().startswith("fiws audit skipped")
+
+
+def test_unhashable_identity_keeps_the_verdict(installed):
+    rec, keep = installed
+    spec = Spec("trtllm", 2, 0, 2048, 4096, "bfloat16", "h200")
+    audit, _, plan = _audited(rec, keep, spec, identity=["not", "hashable"])
+    assert audit.status == "ok", audit.report_line()
+    assert _audit.floor_for(["not", "hashable"]) == 0
+    assert _audit.apply_floor(plan, ["not", "hashable"]) is plan
 
 
 def test_nested_audit_is_skipped_and_leaves_the_outer_one_alone(installed):
