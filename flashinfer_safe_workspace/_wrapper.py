@@ -62,9 +62,13 @@ def make_wrapper(entry: str):
 
 
 def _refuse(entry: str, settings, info: "_decide.VetoInfo"):
-    """What the caller gets on a veto: ``None``, or ``WorkspaceVetoed`` in raise mode and
-    always for the legacy tuple-returning function."""
-    if entry == _decide.LEGACY or settings.on_veto == "raise":
+    """What the caller gets on a veto: ``None`` or ``WorkspaceVetoed``, as
+    ``_caller.resolve`` answers for ``ON_VETO`` and the calling frame (the legacy
+    tuple-returning function always raises)."""
+    from . import _caller
+
+    answer = _caller.resolve(settings.on_veto, entry)
+    if answer.kind == "raise":
         raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
     return None
 
