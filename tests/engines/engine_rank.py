@@ -348,53 +348,122 @@ def _is_ours(fn) -> bool:
 # --------------------------------------------------------------------------- main
 
 
+DRIVERS = {}  # (engine, version) -> function(root, group, other, free_bytes, out)
+
+
+def driver(engine, *versions):
+    def register(fn):
+        for v in versions:
+            DRIVERS[(engine, v)] = fn
+        return fn
+    return register
+
+
+def _engine_prefix(engine: str) -> str:
+    return {"aphrodite-engine": "aphrodite"}.get(engine, engine)
+
+
+def _purge(prefix: str) -> None:
+    """Forget every module of the engine (real and stand-in): the next mode imports the
+    real files afresh, with none of the previous mode's latches."""
+    for name in [n for n in sys.modules if n == prefix or n.startswith(prefix + ".")]:
+        del sys.modules[name]
+
+
+class _Answers:
+    """Records what ``_caller.resolve`` answered (it still answers: a spy, not a stand-in)."""
+
+    def __init__(self):
+        from flashinfer_safe_workspace import _caller
+
+        self.items, self._real = [], _caller.resolve
+        _caller.resolve = self
+
+    def __call__(self, on_veto, entry):
+        answer = self._real(on_veto, entry)
+        self.items.append({"kind": answer.kind, "caller": answer.caller, "why": answer.why})
+        return answer
+
+
+@driver("vllm", "0.33.0")
+def run_vllm_033(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_033(root, group, other, out)
+
+
+@driver("vllm", "0.18.0")
+def run_vllm_018(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_018(root, group, other, out)
+
+
+@driver("sglang", "0.5.23")
+def run_sglang_0523(root, group, other, free, out):
+    coordinator = _Coordinator(other, group)  # device_group (NCCL in SGLang), cpu_group
+    sglang_0523_standins(root, coordinator, simulate_gpu_for_engine(free), "trtllm")
+    drive_sglang_0523(root, group, other, out)
+
+
+@driver("sglang", "0.5.10.post1")
+def run_sglang_0510(root, group, other, free, out):
+    sglang_0510_standins(root, _Coordinator(other, group))
+    drive_sglang_0510(root, group, other, out)
+
+
+
+
 def main(argv):
-    engine, version, root, rank, world, port, scenario, free_mb = argv
+    engine, version, root, rank, world, port, modes, free_mb = argv
     root, rank, world, free = Path(root), int(rank), int(world), int(free_mb) * MiB
+    modes = modes.split(",")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s %(message)s")
     logging.getLogger().addHandler(RECORDS)
     import torch.distributed as dist
 
+    import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace import _decide, _probe
+    from flashinfer_safe_workspace._doctor import parse_decision_lines
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     group = dist.new_group(list(range(world)), backend="gloo")  # the engine's TP cpu_group
     other = dist.new_group(list(range(world)), backend="gloo")  # another group, same ranks
     _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
+    answers = _Answers()
     sys.path.insert(0, str(root))
-    out = {"rank": rank, "pid": os.getpid(), "engine": engine, "version": version,
-           "scenario": scenario}
-    try:
-        if engine == "vllm":
-            vllm_standins(root)
-            {"0.33.0": drive_vllm_033, "0.18.0": drive_vllm_018}[version](root, group, other, out)
-        else:
-            coordinator = _Coordinator(other, group)  # device_group (NCCL in SGLang), cpu_group
-            if version == "0.5.23":
-                driver = simulate_gpu_for_engine(free)
-                sglang_0523_standins(root, coordinator, driver, "trtllm")
-                drive_sglang_0523(root, group, other, out)
-            else:
-                sglang_0510_standins(root, coordinator)
-                drive_sglang_0510(root, group, other, out)
-    except BaseException as exc:  # reported, never hidden
-        out["crashed"] = _error(exc)
-        out["traceback"] = traceback.format_exc()[-3000:]
-    from flashinfer_safe_workspace._doctor import parse_decision_lines
-
-    text = "\n".join(r["msg"] for r in RECORDS.items if r["logger"] == "flashinfer_safe_workspace")
-    out["decisions"] = parse_decision_lines(text)
-    out["report"] = {k: v for k, v in _decide.last_report.items() if k != "note"}
-    out["records"] = [r for r in RECORDS.items if r["level"] in ("WARNING", "ERROR", "INFO")
-                      and r["logger"] != "flashinfer_safe_workspace"]
-    out["standins"] = sorted(n for n, m in sys.modules.items()
-                             if isinstance(getattr(m, "__dict__", {}).get("__standin__"), str))
-    out["real_files"] = sorted(str(Path(m.__file__).relative_to(root))
-                               for m in list(sys.modules.values())
-                               if getattr(m, "__file__", None) and str(m.__file__).startswith(str(root)))
-    print(json.dumps(out, default=str), flush=True)
+    result = {"rank": rank, "pid": os.getpid(), "engine": engine, "version": version,
+              "modes": {}}
+    for i, mode in enumerate(modes):
+        # the first mode is the production activation (variable + .pth, ON_VETO from the
+        # environment); later modes re-install in code, which clears the veto cache
+        if i:
+            fiws.uninstall()
+            fiws.install(on_veto=mode)
+        dist.barrier(group)
+        _purge(_engine_prefix(engine))
+        mark, amark = len(RECORDS.items), len(answers.items)
+        out = {"mode": mode}
+        try:
+            DRIVERS[(engine, version)](root, group, other, free, out)
+        except BaseException as exc:  # reported, never hidden
+            out["crashed"] = _error(exc)
+            out["traceback"] = traceback.format_exc()[-3000:]
+        records = RECORDS.items[mark:]
+        text = "\n".join(r["msg"] for r in records if r["logger"] == "flashinfer_safe_workspace")
+        out["decisions"] = parse_decision_lines(text)
+        out["answers"] = answers.items[amark:]
+        out["report"] = {k: v for k, v in _decide.last_report.items() if k != "note"}
+        out["records"] = [r for r in records if r["level"] in ("WARNING", "ERROR", "INFO")
+                          and r["logger"] != "flashinfer_safe_workspace"]
+        out["standins"] = sorted(n for n, m in sys.modules.items()
+                                 if isinstance(getattr(m, "__dict__", {}).get("__standin__"), str))
+        out["real_files"] = sorted(
+            str(Path(m.__file__).relative_to(root)) for m in list(sys.modules.values())
+            if getattr(m, "__file__", None) and str(m.__file__).startswith(str(root)))
+        result["modes"][mode] = out
+        dist.barrier(group)
+    print(json.dumps(result, default=str), flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown
 

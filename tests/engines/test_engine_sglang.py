@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from _runner import check_doc, engine_root, messages, run_ranks
+from _runner import MODES, check_answers, check_doc, engine_root, messages, run_ranks
 
 LOGGER = "sglang.srt.layers.flashinfer_comm_fusion"
 
@@ -22,14 +22,15 @@ def s0523():
     return engine_root("sglang", "0.5.23")
 
 
-@pytest.mark.parametrize("mode", ["none", "raise"])
+@pytest.mark.parametrize("mode", MODES)
 def test_sglang_0523_ends_non_fused(s0523, mode):
     # SGLang >= 0.5.11 runs its own cuMemCreate preflight + BAND vote first (probing the
     # bare trtllm sizes, each rounded to the 512 MiB multicast granularity: 1.5 GiB
     # here). Rank 1 has 3000 MiB free: SGLang's preflight passes; the shim, asked to
     # keep 4 GiB of headroom, vetoes.
-    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 3000], mode,
-                        FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB="4096")
+    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 3000],
+                        FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB="4096")[mode]
+    check_answers(reports, mode, LOGGER)
     for rank, r in enumerate(reports):
         assert r["bound_is_wrapped"] is True  # SGLang binds the function at import: ours
         (d,) = r["decisions"]  # one vote; the second op call never asks again
@@ -52,7 +53,7 @@ def test_sglang_0523_ends_non_fused(s0523, mode):
 def test_sglang_0523_own_preflight_vetoes_first(s0523):
     """With 256 MiB free on rank 1 SGLang's own preflight says no on every rank and the
     wrapped function is never called: no decision, no vote of ours."""
-    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 256], "raise")
+    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 256], modes=("raise",))["raise"]
     for r in reports:
         assert r["decisions"] == []
         assert r["op_first"] == {"returned": [None, None]}
@@ -66,9 +67,10 @@ def s0510():
     return engine_root("sglang", "0.5.10.post1")
 
 
-@pytest.mark.parametrize("mode", ["none", "raise"])
+@pytest.mark.parametrize("mode", MODES)
 def test_sglang_0510_none_crashes_in_forward_raise_falls_back(s0510, mode):
-    reports = run_ranks("sglang", "0.5.10.post1", s0510, [80 * 1024, 256], mode)
+    reports = run_ranks("sglang", "0.5.10.post1", s0510, [80 * 1024, 256])[mode]
+    check_answers(reports, mode, LOGGER)
     for rank, r in enumerate(reports):
         (d,) = r["decisions"]  # the retry on the next call is served by the veto cache
         assert d["outcome"] == "veto" and d["probe"] == ("no" if rank == 1 else "ok")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from _engines import VLLM_PASS, guarded_by_except_exception, none_check_disables
-from _runner import check_doc, engine_root, messages, run_ranks
+from _runner import MODES, check_answers, check_doc, engine_root, messages, run_ranks
 
 FREE = [80 * 1024, 256]  # MiB per rank: rank 1 is short
 LOGGER = "vllm.distributed.device_communicators.flashinfer_all_reduce"
@@ -33,10 +33,11 @@ def v033():
     return engine_root("vllm", "0.33.0")
 
 
-@pytest.mark.parametrize("mode", ["none", "raise"])
+@pytest.mark.parametrize("mode", MODES)
 def test_vllm_033_ends_non_fused(v033, mode):
-    reports = run_ranks("vllm", "0.33.0", v033, FREE, mode)
+    reports = run_ranks("vllm", "0.33.0", v033, FREE)[mode]
     _common(reports)
+    check_answers(reports, mode, LOGGER)
     for r in reports:
         # backend auto on one node: mnnvl first, then the trtllm fallback; both vetoed
         assert [d["backend"] for d in r["decisions"]] == ["mnnvl", "trtllm"]
@@ -59,7 +60,7 @@ def test_vllm_033_ends_non_fused(v033, mode):
             err = r["quant_other_group_error"]
             assert err["type"] == "RuntimeError" and "different process group" in err["message"]
             observed = "non-fused, RuntimeError for a 2nd group"
-        else:
+        else:  # raise, and auto (a vllm. caller)
             assert any("not created on any rank" in m for m in warnings)
             assert r["none_registered"] is False
             assert r["quant_other_group"] == "None"
@@ -79,10 +80,11 @@ def v018():
     return engine_root("vllm", "0.18.0")
 
 
-@pytest.mark.parametrize("mode", ["none", "raise"])
+@pytest.mark.parametrize("mode", MODES)
 def test_vllm_018_ends_non_fused(v018, mode):
-    reports = run_ranks("vllm", "0.18.0", v018, FREE, mode)
+    reports = run_ranks("vllm", "0.18.0", v018, FREE)[mode]
     _common(reports)
+    check_answers(reports, mode, LOGGER)
     for r in reports:
         assert len(r["decisions"]) == 1  # the standalone retry is served by the veto cache
         err = r["initialize_error"]
