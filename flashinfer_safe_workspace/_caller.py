@@ -47,9 +47,11 @@ ENGINES: tuple = (
            "crashes in the forward",
            "non-fused from 0.5.9 (0.5.8 uses the legacy entry, which always raises)"),
     Engine("lmdeploy", "lmdeploy", "0.18.0",
-           "not checked for None before use", "non-fused"),
+           "non-fused (it checks for None itself)", "non-fused"),
     Engine("aphrodite", "aphrodite-engine", "0.24.1",
-           "a vLLM fork with no failure latch: asks again on every call", "non-fused"),
+           "a vLLM fork: None.destroy() caught, id(None) registered for the group (a "
+           "second group over the same ranks then raises), no failure latch",
+           "non-fused"),
 )
 
 # frames skipped when looking for the caller
@@ -58,8 +60,8 @@ _SKIP = ("flashinfer_safe_workspace", "flashinfer", "wrapt")
 _REASON = {
     "vllm": "vLLM 0.17 stores None under python -O; 0.33 registers id(None) for the group",
     "sglang": "SGLang 0.5.14-0.5.16 drop an all-reduce on None",
-    "lmdeploy": "lmdeploy 0.18 uses the result unchecked",
-    "aphrodite": "aphrodite 0.24 retries on every call",
+    "lmdeploy": "lmdeploy 0.18 is non-fused either way; the exception carries the reason",
+    "aphrodite": "aphrodite 0.24.1 registers id(None) for the group",
 }
 
 

@@ -12,12 +12,22 @@ from pathlib import Path
 VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
 VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
 SGL_FI = "sglang/srt/layers/flashinfer_comm_fusion.py"
+APH_FI = "aphrodite/distributed/device_communicators/flashinfer_all_reduce.py"
+APH_PASS = "aphrodite/compilation/passes/fusion/allreduce_rms_fusion.py"
+LMD_FI = "lmdeploy/pytorch/backends/cuda/comm/flashinfer_allreduce.py"
 
 # (dist, version) -> wheel members to fetch
 ENGINES = {
     ("vllm", "0.33.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py", "vllm/utils/gpu_sync_debug.py",
                          "vllm/distributed/device_communicators/all_reduce_utils.py"],
+    ("vllm", "0.26.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.20.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.18.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.17.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("aphrodite-engine", "0.24.1"): [
+        APH_FI, APH_PASS, "aphrodite/envs.py",
+        "aphrodite/distributed/device_communicators/all_reduce_utils.py"],
+    ("lmdeploy", "0.18.0"): [LMD_FI],
     ("sglang", "0.5.23"): [SGL_FI],
     ("sglang", "0.5.10.post1"): [SGL_FI, "sglang/srt/environ.py"],
 }

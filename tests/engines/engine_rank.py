@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _engines import VLLM_PASS, literal  # noqa: E402
+from _engines import APH_PASS, VLLM_PASS, literal  # noqa: E402
 
 MiB = 1 << 20
 
@@ -141,8 +141,10 @@ class _Capability(tuple):
         return self[0] * 10 + self[1]
 
 
-def vllm_standins(root: Path) -> None:
-    _module("vllm.logger", "vLLM's logger module configures logging through vllm.config "
+def vllm_standins(root: Path, prefix: str = "vllm", pass_file: str = VLLM_PASS) -> None:
+    """vLLM's stand-ins; ``prefix="aphrodite"`` for aphrodite-engine, a vLLM fork that
+    keeps the module layout under its own namespace."""
+    _module(f"{prefix}.logger", "vLLM's logger module configures logging through vllm.config "
             "(pydantic, transformers); the stand-in keeps its *_once API",
             init_logger=_OnceLogger)
     platform = types.SimpleNamespace(
@@ -150,27 +152,28 @@ def vllm_standins(root: Path) -> None:
         get_device_capability=lambda device_id=0: _Capability((9, 0)),
         has_device_capability=lambda cap, device_id=0: 90 >= (
             cap if isinstance(cap, int) else cap[0] * 10 + cap[1]))
-    _module("vllm.platforms", "no GPU on CI: the platform of a single-node H200 (SM 9.0)",
+    _module(f"{prefix}.platforms", "no GPU on CI: the platform of a single-node H200 (SM 9.0)",
             current_platform=platform)
-    table = literal(root / VLLM_PASS, "FI_ALLREDUCE_FUSION_MAX_SIZE_MB")
+    table = literal(root / pass_file, "FI_ALLREDUCE_FUSION_MAX_SIZE_MB")
 
     class PassConfig:
         @staticmethod
         def default_fi_allreduce_fusion_max_size_mb():
             return table.get(90, {})
 
-    _module("vllm.config.compilation", "the real module is vLLM's pydantic config; the "
+    _module(f"{prefix}.config.compilation", "the real module is vLLM's pydantic config; the "
             "stand-in serves the one method used, from the real table of the fetched "
             "fusion pass (SM 9.0 row)", PassConfig=PassConfig)
-    aru = root / "vllm/distributed/device_communicators/all_reduce_utils.py"
+    aru = root / f"{prefix}/distributed/device_communicators/all_reduce_utils.py"
     if aru.exists():
-        _module("vllm.distributed.device_communicators.all_reduce_utils",
+        _module(f"{prefix}.distributed.device_communicators.all_reduce_utils",
                 "the real module loads CUDA runtime wrappers; only its constant is used, "
                 "read from the fetched file", FI_MNNVL_ALLREDUCE_MAX_SIZE_MB=literal(
                     aru, "FI_MNNVL_ALLREDUCE_MAX_SIZE_MB"))
-    _module("vllm.distributed.parallel_state", "the real module is vLLM's whole distributed "
-            "runtime; every rank of this test runs on one host, which is what the real "
-            "_node_count computes", _node_count=lambda group: 1)
+    _module(f"{prefix}.distributed.parallel_state", "the real module is vLLM's whole "
+            "distributed runtime; every rank of this test runs on one host, which is what "
+            "the real _node_count/get_node_count compute",
+            _node_count=lambda group: 1, get_node_count=lambda: 1)
 
 
 def drive_vllm_033(root, group, other_group, out):
@@ -226,6 +229,70 @@ def drive_vllm_018(root, group, other_group, out):
     out["standalone_enabled_before"] = not far.disabled
     out["standalone_ensure"] = far._ensure_workspace(4096, torch.bfloat16)
     out["standalone_disabled"] = far.disabled
+
+
+def drive_vllm_family(prefix, group, other_group, out):
+    """vLLM >= 0.20 and aphrodite-engine: ``get_fi_ar_workspace`` (what the fusion pass,
+    the Gemma fused op and the standalone all-reduce call), asked twice, then the
+    standalone all-reduce, then the quant workspace for another group."""
+    import torch
+
+    fi = __import__(f"{prefix}.distributed.device_communicators.flashinfer_all_reduce",
+                    fromlist=["_"])
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    kw = dict(world_size=world, rank=rank, max_token_num=1024, hidden_dim=4096,
+              dtype=torch.bfloat16)
+    try:
+        out["workspace"] = repr(fi.get_fi_ar_workspace(group=group, **kw))
+    except Exception as exc:
+        out["workspace_error"] = _error(exc)
+    out["none_registered"] = id(None) in getattr(fi, "_fi_ar_workspace_groups", {})
+    try:
+        out["again"] = repr(fi.get_fi_ar_workspace(group=group, **kw))
+    except Exception as exc:
+        out["again_error"] = _error(exc)
+    far = fi.FlashInferAllReduce(group=group, device=0)
+    out["standalone_enabled_before"] = not far.disabled
+    out["standalone_ensure"] = far._ensure_workspace(4096, torch.bfloat16)
+    out["standalone_disabled"] = far.disabled
+    try:
+        out["quant_other_group"] = repr(fi.get_fi_ar_quant_workspace(group=other_group, **kw))
+    except Exception as exc:
+        out["quant_other_group_error"] = _error(exc)
+
+
+# --------------------------------------------------------------------------- lmdeploy
+
+
+def lmdeploy_standins(root):
+    import torch
+    import flashinfer.comm.cuda_ipc as cuda_ipc
+
+    _module("lmdeploy", "the real package __init__ imports lmdeploy's whole API; this one "
+            "only points at the fetched files", __path__=[str(root / "lmdeploy")])
+    _module("lmdeploy.utils", "lmdeploy.utils imports most of lmdeploy; the one name used: "
+            "get_logger (a stdlib logger)", get_logger=logging.getLogger)
+    # the simulated H200: SM 9.0, device 0; FlashInfer's cudart binding needs libcudart
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.current_device = lambda: 0
+    cuda_ipc.cudart = types.SimpleNamespace(cudaSetDevice=lambda device: None)
+
+
+def drive_lmdeploy(group, out):
+    """lmdeploy's ``FlashInferAllReduce`` (one per process group): the in-place all-reduce
+    and the fused residual + RMSNorm, each twice; both create the workspace lazily."""
+    import torch
+
+    mod = __import__("lmdeploy.pytorch.backends.cuda.comm.flashinfer_allreduce",
+                     fromlist=["_"])
+    far = mod.FlashInferAllReduce(group)
+    x = torch.randn(8, 4096, dtype=torch.bfloat16)
+    out["all_reduce_first"] = far.all_reduce_(x)
+    out["disabled"] = far._disabled
+    out["all_reduce_second"] = far.all_reduce_(x)
+    fused = far.fused_all_reduce_residual_rms_norm(
+        x, torch.randn_like(x), torch.ones(4096, dtype=torch.bfloat16), 1e-6)
+    out["fused"] = repr(fused)
 
 
 # --------------------------------------------------------------------------- SGLang
@@ -391,10 +458,28 @@ def run_vllm_033(root, group, other, free, out):
     drive_vllm_033(root, group, other, out)
 
 
-@driver("vllm", "0.18.0")
+@driver("vllm", "0.18.0", "0.17.0")
 def run_vllm_018(root, group, other, free, out):
     vllm_standins(root)
     drive_vllm_018(root, group, other, out)
+
+
+@driver("vllm", "0.20.0", "0.26.0")
+def run_vllm_family(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_family("vllm", group, other, out)
+
+
+@driver("aphrodite-engine", "0.24.1")
+def run_aphrodite(root, group, other, free, out):
+    vllm_standins(root, "aphrodite", APH_PASS)
+    drive_vllm_family("aphrodite", group, other, out)
+
+
+@driver("lmdeploy", "0.18.0")
+def run_lmdeploy(root, group, other, free, out):
+    lmdeploy_standins(root)
+    drive_lmdeploy(group, out)
 
 
 @driver("sglang", "0.5.23")

@@ -75,14 +75,11 @@ def test_vllm_033_fusion_pass_disables_itself_on_none(v033):
                                "get_fi_ar_workspace")
 
 
-@pytest.fixture(scope="module")
-def v018():
-    return engine_root("vllm", "0.18.0")
-
-
+@pytest.mark.parametrize("version", ["0.17.0", "0.18.0"])
 @pytest.mark.parametrize("mode", MODES)
-def test_vllm_018_ends_non_fused(v018, mode):
-    reports = run_ranks("vllm", "0.18.0", v018, FREE)[mode]
+def test_vllm_017_018_end_non_fused(version, mode):
+    root = engine_root("vllm", version)
+    reports = run_ranks("vllm", version, root, FREE)[mode]
     _common(reports)
     check_answers(reports, mode, LOGGER)
     for r in reports:
@@ -97,9 +94,41 @@ def test_vllm_018_ends_non_fused(v018, mode):
         assert r["standalone_ensure"] is False and r["standalone_disabled"] is True
         assert any("FlashInfer All Reduce will be disabled" in m
                    for m in messages(r, LOGGER))
-        check_doc("vLLM", "0.18.0", mode, "non-fused")
+        check_doc("vLLM", version, mode, "non-fused")
 
 
-def test_vllm_018_fusion_pass_catches_creation_errors(v018):
-    assert guarded_by_except_exception(v018 / VLLM_PASS, "AllReduceFusionPass", "__init__",
+@pytest.mark.parametrize("version", ["0.17.0", "0.18.0"])
+def test_vllm_017_018_fusion_pass_catches_creation_errors(version):
+    root = engine_root("vllm", version)
+    assert guarded_by_except_exception(root / VLLM_PASS, "AllReduceFusionPass", "__init__",
                                        "initialize_fi_ar_workspace")
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0"])
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_020_026_end_non_fused(version, mode):
+    """No failure latch and no ``id(None)`` bookkeeping: ``None`` and an exception both
+    become ``None`` from ``_create_workspace``; the repeats are served by the veto cache."""
+    root = engine_root("vllm", version)
+    reports = run_ranks("vllm", version, root, FREE)[mode]
+    _common(reports)
+    check_answers(reports, mode, LOGGER)
+    # 0.20 picks trtllm on one node; 0.26 picks mnnvl and falls back to trtllm
+    first = ["trtllm"] if version == "0.20.0" else ["mnnvl", "trtllm"]
+    for r in reports:
+        backends = [d["backend"] for d in r["decisions"]]
+        assert backends == first + ["trtllm"]  # + the quant workspace (another size)
+        assert r["workspace"] == "None" and r["again"] == "None"
+        assert r["none_registered"] is False and r["quant_other_group"] == "None"
+        assert r["standalone_enabled_before"] and r["standalone_ensure"] is False
+        assert r["standalone_disabled"] is True
+        assert any("Failed to initialize FlashInfer Allreduce norm fusion workspace "
+                   "with backend=trtllm" in m for m in messages(r, LOGGER))
+        check_doc("vLLM", version, mode, "non-fused")
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0"])
+def test_vllm_020_026_fusion_pass_disables_itself_on_none(version):
+    root = engine_root("vllm", version)
+    assert none_check_disables(root / VLLM_PASS, "AllReduceFusionPass", "__init__",
+                               "get_fi_ar_workspace")
