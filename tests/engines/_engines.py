@@ -12,6 +12,8 @@ from pathlib import Path
 VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
 VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
 SGL_FI = "sglang/srt/layers/flashinfer_comm_fusion.py"
+SGL_LN = "sglang/srt/layers/layernorm.py"
+SGL_COMM = "sglang/srt/layers/communicator.py"
 APH_FI = "aphrodite/distributed/device_communicators/flashinfer_all_reduce.py"
 APH_PASS = "aphrodite/compilation/passes/fusion/allreduce_rms_fusion.py"
 LMD_FI = "lmdeploy/pytorch/backends/cuda/comm/flashinfer_allreduce.py"
@@ -29,6 +31,9 @@ ENGINES = {
         "aphrodite/distributed/device_communicators/all_reduce_utils.py"],
     ("lmdeploy", "0.18.0"): [LMD_FI],
     ("sglang", "0.5.23"): [SGL_FI],
+    ("sglang", "0.5.19"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
+    ("sglang", "0.5.17"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
+    ("sglang", "0.5.14"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
     ("sglang", "0.5.10.post1"): [SGL_FI, "sglang/srt/environ.py"],
 }
 
@@ -102,3 +107,17 @@ def guarded_by_except_exception(path: Path, cls: str, method: str, callee: str) 
         if not ok:
             return False
     return found
+
+
+def gate_requires_not(path: Path, function: str, callee: str) -> bool:
+    """Module-level ``function`` returns an ``and`` chain with ``not callee()`` in it
+    (SGLang's ``apply_flashinfer_allreduce_fusion``: defer the all-reduce to the fused
+    norm only while fusion is not marked unavailable)."""
+    tree = ast.parse(Path(path).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.UnaryOp) and isinstance(sub.op, ast.Not)
+                        and list(_calls(sub.operand, callee))):
+                    return True
+    return False

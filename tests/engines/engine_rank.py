@@ -379,6 +379,124 @@ def _op_call(fn):
         return {"raised": _error(exc)}
 
 
+def _gloo_all_reduce(group):
+    """The TP all-reduce (NCCL in SGLang) over the gloo group, in float32."""
+    def all_reduce(t):
+        import torch.distributed as dist
+
+        total = t.float()
+        dist.all_reduce(total, group=group)
+        return total.to(t.dtype)
+    return all_reduce
+
+
+def sglang_modern_standins(root, coordinator, driver, backend="trtllm"):
+    """SGLang 0.5.14-0.5.19: the fusion file and the real ``layernorm.py`` (the layer
+    that calls the fused op and falls back on ``(None, None)``)."""
+    ws, rank = coordinator.world_size, coordinator.rank_in_group
+    _module("sglang.srt.distributed", "the real package is SGLang's distributed runtime; "
+            "TP=2 on one process group: every getter returns the same coordinator",
+            get_attn_tp_group=lambda: coordinator, get_moe_ep_group=lambda: coordinator,
+            get_moe_tp_group=lambda: coordinator, get_tp_group=lambda: coordinator,
+            tensor_model_parallel_all_reduce=_gloo_all_reduce(coordinator.cpu_group),
+            tensor_model_parallel_fused_allreduce_rmsnorm=None)  # AMD aiter only
+    _module("sglang.srt.distributed.parallel_state", "every rank here is on one host",
+            in_the_same_node_as=lambda pg, source_rank=0: [True] * ws)
+    parallel = types.SimpleNamespace(
+        attn_tp_size=ws, attn_tp_rank=rank, tp_size=ws, nnodes=1, moe_ep_size=1,
+        moe_ep_rank=0, moe_tp_size=ws, moe_tp_rank=rank)
+    args = types.SimpleNamespace(flashinfer_allreduce_fusion_backend=backend, nnodes=1,
+                                 enable_aiter_allreduce_fusion=False)
+    exec_ = types.SimpleNamespace(comm=types.SimpleNamespace(
+        flashinfer_allreduce_fusion_backend=backend))
+    resources = types.SimpleNamespace(buffers={})
+    _module("sglang.srt.runtime_context", "built by the SGLang server from ServerArgs; this "
+            f"one is a TP=2 single-node Hopper run, --flashinfer-allreduce-fusion-backend "
+            f"{backend}", get_parallel=lambda: parallel, get_server_args=lambda: args,
+            get_exec=lambda: exec_, get_resources=lambda: resources,
+            get_platform=lambda: types.SimpleNamespace(is_sm90=True, is_sm100=False))
+    _module("sglang.srt.server_args", "the real module is the server's argument parser; "
+            "the same run's arguments", get_global_server_args=lambda: args)
+    no = lambda *a, **k: False  # noqa: E731
+    _module("sglang.srt.utils", "sglang.srt.utils imports most of SGLang; the names used: "
+            "ceil_align, the CUDA driver (simulated GPU), is_flashinfer_available (it is "
+            "installed), SM 9.0, and for layernorm.py every platform predicate False so that "
+            "it takes its torch-native path (no sgl_kernel on CPU)",
+            ceil_align=lambda x, y: -(-x // y) * y, get_cuda_driver_bindings=lambda: driver,
+            is_flashinfer_available=lambda: True, is_sm90_supported=lambda: True,
+            is_sm100_supported=no, cpu_has_amx_support=no,
+            get_bool_env_var=lambda name, default="false": False, is_cpu=no, is_cuda=no,
+            is_hip=no, is_musa=no, is_npu=no, is_xpu=no, is_gfx1250_supported=no)
+    _custom_op_standin()
+    _module("sglang.srt.debug_utils.cuda_coredump", "imported by the real environ.py for "
+            "CUDA core-dump settings; no GPU here")
+    _module("sglang.srt.batch_invariant_ops", "batch-invariant kernels (Triton); off",
+            is_batch_invariant_mode_enabled=no, rms_norm_batch_invariant=None)
+    _module("sglang.srt.model_executor.cuda_graph_config", "CUDA graph capture settings; "
+            "no graphs here", Backend=None, Phase=None, check_cuda_graph_backend=no)
+    import torch
+
+    class MultiPlatformOp(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return self.forward_native(*args, **kwargs)
+
+    _module("sglang.srt.layers.utils", "SGLang's per-platform dispatch base; on CPU it "
+            "dispatches to forward_native, as here", MultiPlatformOp=MultiPlatformOp)
+    _module("sglang.kernels.fused_op", "0.5.19's per-platform dispatch base (same role)",
+            BaseFusedOp=MultiPlatformOp)
+
+
+def drive_sglang_modern(root, group, other_group, out):
+    """The runner's warm-up (``pre_initialize_workspaces``), then one decoder layer's
+    norm twice, as the communicator runs it: with the all-reduce deferred to the fused
+    norm while ``is_flashinfer_allreduce_unavailable()`` is False (the state-dependent
+    term of ``communicator.apply_flashinfer_allreduce_fusion``, checked in its source),
+    else all-reduce first, then the plain norm. Compared with the non-fused reference
+    computed from the same inputs: all-reduce over the ranks, then the same RMSNorm."""
+    import torch
+    import torch.distributed as dist
+
+    mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
+    ln = __import__("sglang.srt.layers.layernorm", fromlist=["_"])
+    out["bound_is_wrapped"] = _is_ours(mod._create_allreduce_fusion_workspace)
+    try:
+        mod.pre_initialize_workspaces(2048, 4096, torch.bfloat16)
+    except Exception as exc:
+        out["warmup_error"] = _error(exc)
+    manager = mod._get_workspace_manager(True)
+    out["unavailable"] = mod.is_flashinfer_allreduce_unavailable()
+    out["manager_initialized"] = manager.initialized
+    out["manager_workspace"] = repr(manager.workspace)
+    rank = dist.get_rank(group)
+    norm = ln.RMSNorm(4096, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 4096))
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank's partial sums differ
+    x = torch.randn(8, 4096, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(8, 4096, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+
+    all_reduce = _gloo_all_reduce(group)
+    with torch.no_grad():
+        ref = norm.forward_native(all_reduce(x), residual.clone())
+        unreduced = norm.forward_native(x.clone(), residual.clone())
+        layers = []
+        for _ in range(2):
+            deferred = not mod.is_flashinfer_allreduce_unavailable()
+            if deferred:
+                got = norm.forward_with_allreduce_fusion(x.clone(), residual.clone())
+            else:
+                got = norm.forward(all_reduce(x), residual.clone())
+            layers.append({
+                "deferred_to_fused_norm": deferred,
+                "matches_reference": bool(torch.allclose(got[0].float(), ref[0].float(),
+                                                         atol=1e-2, rtol=1e-2)),
+                "matches_unreduced": bool(torch.allclose(got[0].float(), unreduced[0].float(),
+                                                         atol=1e-2, rtol=1e-2)),
+                "max_abs_diff": float((got[0].float() - ref[0].float()).abs().max())})
+    out["layers"] = layers
+    out["unavailable_after"] = mod.is_flashinfer_allreduce_unavailable()
+
+
 def drive_sglang_0523(root, group, other_group, out):
     mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
     out["bound_is_wrapped"] = _is_ours(mod._create_allreduce_fusion_workspace)
@@ -480,6 +598,13 @@ def run_aphrodite(root, group, other, free, out):
 def run_lmdeploy(root, group, other, free, out):
     lmdeploy_standins(root)
     drive_lmdeploy(group, out)
+
+
+@driver("sglang", "0.5.14", "0.5.17", "0.5.19")
+def run_sglang_modern(root, group, other, free, out):
+    coordinator = _Coordinator(other, group)
+    sglang_modern_standins(root, coordinator, simulate_gpu_for_engine(free))
+    drive_sglang_modern(root, group, other, out)
 
 
 @driver("sglang", "0.5.23")
