@@ -11,6 +11,7 @@ from pathlib import Path
 
 VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
 VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
+VLLM_015_PASS = "vllm/compilation/collective_fusion.py"
 SGL_FI = "sglang/srt/layers/flashinfer_comm_fusion.py"
 SGL_LN = "sglang/srt/layers/layernorm.py"
 SGL_COMM = "sglang/srt/layers/communicator.py"
@@ -26,6 +27,7 @@ ENGINES = {
     ("vllm", "0.20.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.18.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.17.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.15.0"): [VLLM_015_PASS, "vllm/envs.py"],
     ("aphrodite-engine", "0.24.1"): [
         APH_FI, APH_PASS, "aphrodite/envs.py",
         "aphrodite/distributed/device_communicators/all_reduce_utils.py"],
@@ -34,6 +36,7 @@ ENGINES = {
     ("sglang", "0.5.19"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
     ("sglang", "0.5.17"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
     ("sglang", "0.5.14"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
+    ("sglang", "0.5.8"): [SGL_FI],
     ("sglang", "0.5.10.post1"): [SGL_FI, "sglang/srt/environ.py"],
 }
 

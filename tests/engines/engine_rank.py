@@ -261,6 +261,82 @@ def drive_vllm_family(prefix, group, other_group, out):
         out["quant_other_group_error"] = _error(exc)
 
 
+_VLLM_LIB, _VLLM_OPS = None, set()
+
+
+def vllm_015_standins(root, coordinator):
+    """vLLM 0.15's fusion pass module (``vllm/compilation/collective_fusion.py``) imports
+    the compiler stack; the stand-ins give it what its import and ``__init__`` use."""
+    import torch
+
+    vllm_standins(root, pass_file="vllm/compilation/collective_fusion.py")
+    sys.modules["vllm.platforms"].current_platform.fp8_dtype = lambda: torch.float8_e4m3fn
+    _module("vllm.config", "pydantic config; only the type name is imported",
+            VllmConfig=object)
+    _module("vllm.config.utils", "config helpers; only the type name is imported",
+            Range=object)
+    _module("vllm.distributed", "vLLM's distributed runtime: the TP group (its "
+            "device_group, NCCL in vLLM, is a gloo group here)",
+            get_tp_group=lambda: coordinator, tensor_model_parallel_all_reduce=None)
+    _module("vllm.distributed.parallel_state", "TP rank and size of this two-rank run",
+            get_tensor_model_parallel_rank=lambda: coordinator.rank_in_group,
+            get_tensor_model_parallel_world_size=lambda: coordinator.world_size)
+    _module("vllm.model_executor", "package of the stand-in below",
+            __path__=[str(root / "vllm/model_executor")])
+    _module("vllm.model_executor.layers.quantization.utils.quant_utils", "quantization "
+            "keys; only the name is imported", kFp8StaticTensorSym=None)
+    global _VLLM_LIB
+    if _VLLM_LIB is None:
+        _VLLM_LIB = torch.library.Library("vllm", "FRAGMENT")
+
+    def direct_register_custom_op(op_name, op_func, mutates_args=(), fake_impl=None, **kw):
+        if op_name in _VLLM_OPS:  # the next mode re-imports the module: same op
+            return
+        _VLLM_OPS.add(op_name)
+        _VLLM_LIB.define(op_name + torch.library.infer_schema(op_func, mutates_args=mutates_args))
+        _VLLM_LIB.impl(op_name, op_func, "CPU")
+
+    _module("vllm.utils.torch_utils", "vLLM's torch helpers; its op registration, "
+            "written here with torch.library", direct_register_custom_op=direct_register_custom_op)
+    _module("vllm.compilation.inductor_pass", "inductor plumbing; the decorator is only "
+            "used on pattern registration, which is never reached",
+            enable_fake_mode=lambda fn: fn)
+    _module("vllm.compilation.matcher_utils", "pattern matchers; only names are imported",
+            MatcherFusedAddRMSNorm=object, MatcherQuantFP8=object, MatcherRMSNorm=object)
+
+    class VllmInductorPass:
+        def __init__(self, config):
+            self.model_dtype = config.model_config.dtype
+            self.device = "cpu"
+
+        @staticmethod
+        def time_and_log(fn):
+            return fn
+
+    _module("vllm.compilation.vllm_inductor_pass", "the pass base classes; what __init__ "
+            "reads from them is the model dtype", VllmInductorPass=VllmInductorPass,
+            VllmPatternMatcherPass=VllmInductorPass)
+
+
+def drive_vllm_015(root, group, other_group, out):
+    """``AllReduceFusionPass(config)``: what vLLM 0.15 runs at its first torch.compile
+    (the profile run, during start-up) with ``fuse_allreduce_rms`` on."""
+    import torch
+
+    mod = __import__("vllm.compilation.collective_fusion", fromlist=["_"])
+    table = mod.FI_ALLREDUCE_FUSION_MAX_SIZE_MB[90]
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(dtype=torch.bfloat16, get_hidden_size=lambda: 4096),
+        compilation_config=types.SimpleNamespace(pass_config=types.SimpleNamespace(
+            flashinfer_max_size=lambda world: int(table[world] * MiB))),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192))
+    try:
+        p = mod.AllReduceFusionPass(config)
+        out["pass"] = {"disabled": p.disabled}
+    except Exception as exc:
+        out["pass_error"] = _error(exc)
+
+
 # --------------------------------------------------------------------------- lmdeploy
 
 
@@ -497,6 +573,24 @@ def drive_sglang_modern(root, group, other_group, out):
     out["unavailable_after"] = mod.is_flashinfer_allreduce_unavailable()
 
 
+def sglang_058_standins(root, coordinator):
+    _module("sglang.srt.distributed", "SGLang's distributed runtime: the TP size",
+            get_tensor_model_parallel_world_size=lambda: coordinator.world_size)
+    _module("sglang.srt.utils", "sglang.srt.utils imports most of SGLang; the one name "
+            "used: is_flashinfer_available (it is installed)",
+            is_flashinfer_available=lambda: True)
+    _custom_op_standin()
+
+
+def drive_sglang_058(root, group, other_group, out):
+    """The fused residual + RMSNorm op, which creates the (legacy) workspace lazily at
+    its first call, twice."""
+    mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
+    out["op_first"] = _op_call(mod.flashinfer_allreduce_residual_rmsnorm)
+    out["manager_initialized"] = mod._workspace_manager.initialized
+    out["op_second"] = _op_call(mod.flashinfer_allreduce_residual_rmsnorm)
+
+
 def drive_sglang_0523(root, group, other_group, out):
     mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
     out["bound_is_wrapped"] = _is_ours(mod._create_allreduce_fusion_workspace)
@@ -605,6 +699,18 @@ def run_sglang_modern(root, group, other, free, out):
     coordinator = _Coordinator(other, group)
     sglang_modern_standins(root, coordinator, simulate_gpu_for_engine(free))
     drive_sglang_modern(root, group, other, out)
+
+
+@driver("vllm", "0.15.0")
+def run_vllm_015(root, group, other, free, out):
+    vllm_015_standins(root, _Coordinator(group, other))
+    drive_vllm_015(root, group, other, out)
+
+
+@driver("sglang", "0.5.8")
+def run_sglang_058(root, group, other, free, out):
+    sglang_058_standins(root, _Coordinator(other, group))
+    drive_sglang_058(root, group, other, out)
 
 
 @driver("sglang", "0.5.23")

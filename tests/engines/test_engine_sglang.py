@@ -151,3 +151,22 @@ def test_sglang_communicator_defers_only_while_fusion_is_available(version):
     root = engine_root("sglang", version)
     assert gate_requires_not(root / SGL_COMM, "apply_flashinfer_allreduce_fusion",
                              "is_flashinfer_allreduce_unavailable")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sglang_058_legacy_op_raises_on_every_rank(mode):
+    """SGLang 0.5.8 tuple-unpacks the legacy function lazily, in the first fused norm of
+    the forward, with no ``try``: ``WorkspaceVetoed`` on every rank in every mode (the
+    legacy entry always raises), on each call (the veto cache answers the repeat)."""
+    root = engine_root("sglang", "0.5.8")
+    reports = run_ranks("sglang", "0.5.8", root, [80 * 1024, 256])[mode]
+    check_answers(reports, mode, LOGGER, legacy=True)
+    for rank, r in enumerate(reports):
+        (d,) = r["decisions"]
+        assert d["entry"] == "legacy" and d["ranks"] == [0, 1]
+        assert d["probe"] == ("no" if rank == 1 else "ok")
+        for call in ("op_first", "op_second"):
+            err = r[call]["raised"]
+            assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+        assert r["manager_initialized"] is False
+    check_doc("SGLang", "0.5.8", mode, "crash in forward: WorkspaceVetoed on every rank")

@@ -22,7 +22,7 @@ LOGGER = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 
 def _common(reports):
     for rank, r in enumerate(reports):
-        assert r["real_files"][0].endswith("flashinfer_all_reduce.py")
+        assert r["real_files"][0].endswith(("flashinfer_all_reduce.py", "collective_fusion.py"))
         assert all(d["outcome"] == "veto" and d["ranks"] == [0, 1] for d in r["decisions"])
         assert [d["probe"] for d in r["decisions"]] == (["ok"] * len(r["decisions"]) if rank == 0
                                                         else ["no"] * len(r["decisions"]))
@@ -132,3 +132,21 @@ def test_vllm_020_026_fusion_pass_disables_itself_on_none(version):
     root = engine_root("vllm", version)
     assert none_check_disables(root / VLLM_PASS, "AllReduceFusionPass", "__init__",
                                "get_fi_ar_workspace")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_015_legacy_pass_fails_start_up_on_every_rank(mode):
+    """vLLM 0.15 tuple-unpacks the legacy function in ``AllReduceFusionPass.__init__``
+    (first torch.compile, during start-up) with no ``try``: the legacy entry raises in
+    every mode, so start-up fails with the shim's message on every rank, instead of one
+    rank failing and the other hanging in the handle exchange."""
+    root = engine_root("vllm", "0.15.0")
+    reports = run_ranks("vllm", "0.15.0", root, FREE)[mode]
+    _common(reports)
+    check_answers(reports, mode, "vllm.compilation.collective_fusion", legacy=True)
+    for r in reports:
+        (d,) = r["decisions"]
+        assert d["entry"] == "legacy" and d["backend"] == "trtllm"
+        err = r["pass_error"]
+        assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+    check_doc("vLLM", "0.15.0", mode, "clean start-up failure on every rank")
