@@ -97,7 +97,7 @@ def doc_outcomes() -> dict:
     table = {}
     for line in DOC.read_text().splitlines():
         m = _ROW.match(line)
-        if m:
+        if m and m["engine"].strip() != "Engine":
             table[(m["engine"].strip(), m["release"].strip())] = {
                 mode: m[mode].strip() for mode in MODES}
     return table
