@@ -124,3 +124,24 @@ def gate_requires_not(path: Path, function: str, callee: str) -> bool:
                         and list(_calls(sub.operand, callee))):
                     return True
     return False
+
+
+def asserts_workspace(path: Path) -> bool:
+    """Some function of the module asserts ``workspace is not None`` (vLLM's fused
+    all-reduce custom op, which a cached compiled graph calls without the pass's
+    ``__init__`` having run)."""
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.Assert):
+            t = node.test
+            if (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name)
+                    and t.left.id == "workspace" and isinstance(t.ops[0], ast.IsNot)):
+                return True
+    return False
+
+
+def class_defines(path: Path, cls: str, method: str) -> bool:
+    tree = ast.parse(Path(path).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return any(isinstance(i, ast.FunctionDef) and i.name == method for i in node.body)
+    raise KeyError(cls)

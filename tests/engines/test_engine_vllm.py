@@ -150,3 +150,15 @@ def test_vllm_015_legacy_pass_fails_start_up_on_every_rank(mode):
         err = r["pass_error"]
         assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
     check_doc("vLLM", "0.15.0", mode, "clean start-up failure on every rank")
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0", "0.33.0"])
+def test_vllm_compile_cache_hazard_is_in_the_source(version):
+    """What docs/engines.md says about the compile cache: the fused custom op asserts a
+    workspace exists, and ``AllReduceFusionPass`` defines no ``uuid`` of its own, so its
+    cache identity does not include whether it disabled itself."""
+    from _engines import asserts_workspace, class_defines
+
+    root = engine_root("vllm", version)
+    assert asserts_workspace(root / VLLM_PASS)
+    assert not class_defines(root / VLLM_PASS, "AllReduceFusionPass", "uuid")
