@@ -36,13 +36,13 @@ class Engine:
 # The one table. Every engine here falls back on an exception in every release read
 # (tests/engines runs each named release's own call-site code; docs/engines.md).
 ENGINES: tuple = (
-    Engine("vllm", "vLLM", "0.15.0, 0.17.0, 0.20.0, 0.26.0, 0.33.0",
-           "0.17: an AssertionError that is caught, but under python -O the None is stored "
-           "and dereferenced in the forward; 0.33: caught only as None.destroy(), and "
+    Engine("vllm", "vLLM", "0.15.0, 0.17.0, 0.18.0, 0.20.0, 0.26.0, 0.33.0",
+           "0.17/0.18: an AssertionError that is caught (under python -O, read not run, the "
+           "None is stored and dereferenced in the forward); 0.33: caught only as None.destroy(), and "
            "id(None) is registered for the group",
            "non-fused from 0.17 (0.15 uses the legacy entry, which always raises: a clean "
            "start-up failure on every rank)"),
-    Engine("sglang", "SGLang", "0.5.8, 0.5.14, 0.5.17, 0.5.19, 0.5.23",
+    Engine("sglang", "SGLang", "0.5.8, 0.5.10.post1, 0.5.14, 0.5.17, 0.5.19, 0.5.23",
            "0.5.14-0.5.16 drop an all-reduce on None (silently wrong output); 0.5.10.post1 "
            "crashes in the forward",
            "non-fused from 0.5.9 (0.5.8 uses the legacy entry, which always raises)"),
