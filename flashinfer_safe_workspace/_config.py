@@ -90,9 +90,12 @@ VARIABLES: tuple[Var, ...] = (
     Var(PREFIX, "enabled", "bool", False, parse_bool,
         "Master switch. On: the `.pth` activates the shim at interpreter start. The only "
         "variable the `.pth` pre-gate looks at."),
-    Var(f"{PREFIX}_ON_VETO", "on_veto", "none\\|raise", "none", _choice("none", "raise"),
-        "What every rank gets when the vote vetoes: `None`, or `WorkspaceVetoed` raised. "
-        "The legacy tuple-returning function always raises."),
+    Var(f"{PREFIX}_ON_VETO", "on_veto", "auto\\|none\\|raise", "auto",
+        _choice("auto", "none", "raise"),
+        "What a rank gets when the vote vetoes. `auto`: `WorkspaceVetoed` raised when the "
+        "caller's module is in an engine namespace of `_caller.ENGINES` (`vllm.`, `sglang.`, "
+        "`lmdeploy.`, `aphrodite.`), `None` for every other caller. `none`/`raise`: that, for "
+        "every caller. The legacy tuple-returning function always raises."),
     Var(f"{PREFIX}_HEADROOM_MB", "headroom_mb", "auto\\|int MiB 0–1048576", "auto",
         _auto_or(_number(int, 0, maximum=1 << 20)),
         "Extra device memory each rank must be able to hold on top of the plan's peak. "

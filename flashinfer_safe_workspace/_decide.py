@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from . import _config, _explain, _group, _probe, _request, _store, _vote
+from . import _audit, _config, _explain, _group, _probe, _request, _store, _vote
 from ._explain import VetoInfo
 from ._log import internal_error, logger, rank_tag
 from . import _plan
@@ -45,6 +45,8 @@ class Decision:
     probe_ok: Optional[bool] = None
     elapsed_ms: float = 0.0
     logged: bool = False  # a decision line is due (a real round or local decision ran)
+    version: Optional[str] = None
+    granularity: Optional[int] = None
     cached: bool = False
 
     @property
@@ -143,14 +145,15 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         decision.veto, decision.reason = info, info.message
         return decision  # not cached: the peers may have decided either way without us
     try:
-        return _decide_round(decision, req, ident, version, members, settings, deadline,
-                             start, wkey, fast)
+        return _decide_round(decision, req, bound, ident, version, members, settings,
+                             deadline, start, wkey, fast)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _decide_round(decision, req, ident, version, members, settings, deadline, start, wkey, fast):
+def _decide_round(decision, req, bound, ident, version, members, settings, deadline, start,
+                  wkey, fast):
     rnd = _round_for(members, ident, deadline, settings, _request.summary(req))
     record = None
     try:
@@ -158,7 +161,7 @@ def _decide_round(decision, req, ident, version, members, settings, deadline, st
         if early is not None:  # the group already decided this call without us: follow
             outcome = early
         else:
-            record = _local_record(req, version, members, settings, decision)
+            record = _local_record(req, bound, version, members, settings, decision)
             outcome = rnd.vote(record)
     except (_store.StoreTimeout, _store.StoreUnavailable) as exc:
         rnd.abort_now(f"store: {exc}")
@@ -234,7 +237,7 @@ def _warn_version(version, settings):
 # --------------------------------------------------------------------------- this rank
 
 
-def _local_record(req, version, members, settings, decision: Decision) -> dict:
+def _local_record(req, bound, version, members, settings, decision: Decision) -> dict:
     """This rank's record: plan and probe every candidate; never raises for our errors."""
     record = _request.base_record(req, members)
     mismatch = _request.group_mismatch(req, members)
@@ -251,7 +254,7 @@ def _local_record(req, version, members, settings, decision: Decision) -> dict:
     if isinstance(early, PassThrough):
         record["c"] = {"-": {"s": "pass", "r": _vote.PASS_THROUGH, "n": early.reason}}
         return record
-    headroom, why = _request.headroom(settings, req, members)
+    headroom, why = _request.headroom(settings, req, bound)
     decision.headroom_bytes, decision.headroom_why = headroom, why
     try:
         facts = _request.facts_for(req, members)
@@ -260,6 +263,7 @@ def _local_record(req, version, members, settings, decision: Decision) -> dict:
         internal_error("facts", exc)
         record["c"] = {"-": _cand(settings.fail_open, code, f"{type(exc).__name__}: {exc}")}
         return record
+    decision.version, decision.granularity = version, facts.granularity
     auto = _request.auto_by_vote(req, version)
     record["auto"] = auto
     record["mc"] = bool(facts.multicast_supported)
@@ -307,8 +311,13 @@ def _candidate(req, version, facts, everyone, auto, members, settings, headroom,
             "backend": plan.backend, "plan": plan}
     if mismatch:
         return dict(_cand(False, _vote.ARG_MISMATCH, mismatch), **base)
+    try:  # what an earlier creation of this call really took, if more than planned
+        probed = _audit.apply_floor(plan, _request.identity(req))
+    except Exception as exc:  # noqa: BLE001
+        internal_error("audit.floor", exc)
+        probed = plan
     try:
-        result = _probe.get_prober().probe(plan, headroom)
+        result = _probe.get_prober().probe(probed, headroom)
     except _probe.ProbeUnavailable as exc:
         internal_error("probe.unavailable", exc)
         return dict(_cand(settings.fail_open, _vote.NO_DEVICE, str(exc)), **base)

@@ -274,6 +274,9 @@ def format_doctor(r: dict) -> str:
         out.append(f"  CUDA: driver {cuda['driver_version']}, {cuda['device_count']} device(s) "
                    f"({cuda['bindings']})")
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
+    from . import _caller
+
+    out += ["  " + line for line in _caller.doctor_lines(r["settings"].get("on_veto", "auto"))]
     for line in r["why"]:
         out.append(f"  - {line}")
     return "\n".join(out)

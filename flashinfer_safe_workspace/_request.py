@@ -218,9 +218,10 @@ def _confidential_compute() -> bool:
     return _config.flashinfer_confidential_compute_override() == "1"
 
 
-def headroom(settings, req: Request, members: _group.Members):
-    """(bytes, why) of the headroom for this call."""
-    fixed = settings.headroom_bytes
-    if fixed is not None:
-        return fixed, "set"
-    return 512 << 20, "unknown"
+def headroom(settings, req: Request, bound: dict):
+    """(bytes, why) of the headroom for this call (``_headroom``: the group decides)."""
+    from . import _headroom
+
+    return _headroom.resolve(settings.headroom_mb, entry=req.entry, backend=req.backend,
+                             group=bound.get("group"), comm_backend=bound.get("comm_backend"),
+                             use_symm_dev_mem=req.use_symm_dev_mem)

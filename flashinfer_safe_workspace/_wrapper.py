@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from . import _config, _decide, _explain, _log
+from . import _audit, _config, _decide, _explain, _log
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
 
@@ -47,48 +47,60 @@ def make_wrapper(entry: str):
         if decision.action == "veto":
             return _refuse(entry, settings, decision.veto, decision)
         token = _inside.set(True)
-        audit = "-"
+        audit = _watch(decision)
         try:
-            if settings.create_timeout > 0:
-                with _Watchdog(settings, decision, entry):
-                    result = wrapped(*args, **kwargs)
-            else:
-                result = wrapped(*args, **kwargs)
-        except BaseException:
-            audit = "raised"
-            raise
+            with audit:
+                if settings.create_timeout > 0:
+                    with _Watchdog(settings, decision, entry):
+                        return wrapped(*args, **kwargs)
+                return wrapped(*args, **kwargs)
         finally:
             _inside.reset(token)
             if decision.logged:
-                _log.decision(decision, "pass", "create", "-", audit)
-        return result
+                status = getattr(audit, "status", "-") or "-"
+                _log.decision(decision, "pass", "create", "-", status)
+                _audit.warn_once(audit) if status == "mismatch" else None
 
     return wrapper
 
 
-def _answer(entry: str, settings) -> tuple:
-    """(kind, caller) a veto gives this caller: ``None`` or ``WorkspaceVetoed``."""
-    if entry == _decide.LEGACY:
-        return "raise", "-"
-    return ("raise" if settings.on_veto == "raise" else "none"), "-"
+class _NoAudit:
+    status = "-"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _watch(decision):
+    """The self-audit of FlashInfer's own creation (a real plan only); never raises."""
+    if not decision.logged or decision.plan is None:
+        return _NoAudit()
+    try:
+        return _audit.watch(decision.plan, decision.request, decision.version,
+                            identity=decision.identity, granularity=decision.granularity)
+    except Exception as exc:  # noqa: BLE001
+        internal_error("audit.watch", exc)
+        return _NoAudit()
 
 
 def _refuse(entry: str, settings, info, decision=None):
-    """What the caller gets on a veto: ``None``, or ``WorkspaceVetoed`` in raise mode and
-    always for the legacy tuple-returning function."""
-    try:
-        kind, caller = _answer(entry, settings)
-    except Exception as exc:  # noqa: BLE001
-        internal_error("answer", exc)
-        kind, caller = ("raise" if entry == _decide.LEGACY else "none"), "-"
+    """What the caller gets on a veto: ``None`` or ``WorkspaceVetoed``, as
+    ``_caller.resolve`` answers for ``ON_VETO`` and the calling frame (the legacy
+    tuple-returning function always raises)."""
+    from . import _caller
+
+    answer = _caller.resolve(settings.on_veto, entry)  # never raises
     if decision is not None and decision.logged:
-        _log.decision(decision, "veto", kind, caller, "-")
-        logger.warning("flashinfer_safe_workspace %s: vetoed on every rank (answer=%s): %s",
-                       rank_tag(), kind, info.message)
-    elif decision is None or decision.cached:
-        logger.debug("fiws decision %s outcome=veto-cached entry=%s answer=%s", rank_tag(),
-                     entry, kind)
-    if kind == "raise":
+        _log.decision(decision, "veto", answer.kind, answer.caller, "-")
+        logger.warning("flashinfer_safe_workspace %s: vetoed on every rank (%s; %s): %s",
+                       rank_tag(), _caller.fields(answer), answer.why, info.message)
+    else:
+        logger.debug("fiws decision %s outcome=veto-cached entry=%s %s", rank_tag(), entry,
+                     _caller.fields(answer))
+    if answer.kind == "raise":
         raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
     return None
 

@@ -105,10 +105,9 @@ def need_mb(world_size=2, max_token_num=2048, hidden_dim=4096, dtype="bfloat16",
     facts = _probe.SimulatedDevice(1 << 40).facts(None, False, world_size)
     plan = _plan.make_plan(req, facts, flashinfer.__version__)
     if headroom_mb is None:  # what the shim itself would use for this call on WORLD
-        from flashinfer_safe_workspace import _group, _request
+        from flashinfer_safe_workspace import _request
 
-        members = _group.members_for(group=None, comm_backend=None, uses_comm_backend=True)
-        head = _request.headroom(_config.current(), req, members)[0] / MiB
+        head = _request.headroom(_config.current(), req, {})[0] / MiB
     else:
         head = headroom_mb
     return plan.peak_bytes / MiB + head

@@ -34,8 +34,9 @@ def test_readme_engine_rows_match_the_verified_table():
     verified = {k: v for k, v in doc_outcomes().items() if k != ("Engine", "Release")}
     rows = {}
     for line in (ROOT / "README.md").read_text().splitlines():
-        m = re.match(r"^\| (vLLM|SGLang) \| ([0-9][^|]*) \| `([^`]*)` \| `([^`]*)` \|$", line)
+        m = re.match(r"^\| (vLLM|SGLang|lmdeploy|aphrodite-engine) \| ([0-9][^|]*) \| "
+                     r"`([^`]*)` \| `([^`]*)` \| `([^`]*)` \|$", line)
         if m:
-            rows[(m[1], m[2].strip())] = {"none": m[3], "raise": m[4]}
+            rows[(m[1], m[2].strip())] = {"none": m[3], "raise": m[4], "auto": m[5]}
     assert rows, "README has no verified engine rows"
     assert rows == verified

@@ -11,14 +11,32 @@ from pathlib import Path
 
 VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
 VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
+VLLM_015_PASS = "vllm/compilation/collective_fusion.py"
 SGL_FI = "sglang/srt/layers/flashinfer_comm_fusion.py"
+SGL_LN = "sglang/srt/layers/layernorm.py"
+SGL_COMM = "sglang/srt/layers/communicator.py"
+APH_FI = "aphrodite/distributed/device_communicators/flashinfer_all_reduce.py"
+APH_PASS = "aphrodite/compilation/passes/fusion/allreduce_rms_fusion.py"
+LMD_FI = "lmdeploy/pytorch/backends/cuda/comm/flashinfer_allreduce.py"
 
 # (dist, version) -> wheel members to fetch
 ENGINES = {
     ("vllm", "0.33.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py", "vllm/utils/gpu_sync_debug.py",
                          "vllm/distributed/device_communicators/all_reduce_utils.py"],
+    ("vllm", "0.26.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.20.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.18.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.17.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.15.0"): [VLLM_015_PASS, "vllm/envs.py"],
+    ("aphrodite-engine", "0.24.1"): [
+        APH_FI, APH_PASS, "aphrodite/envs.py",
+        "aphrodite/distributed/device_communicators/all_reduce_utils.py"],
+    ("lmdeploy", "0.18.0"): [LMD_FI],
     ("sglang", "0.5.23"): [SGL_FI],
+    ("sglang", "0.5.19"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
+    ("sglang", "0.5.17"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
+    ("sglang", "0.5.14"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
+    ("sglang", "0.5.8"): [SGL_FI],
     ("sglang", "0.5.10.post1"): [SGL_FI, "sglang/srt/environ.py"],
 }
 
@@ -92,3 +110,38 @@ def guarded_by_except_exception(path: Path, cls: str, method: str, callee: str) 
         if not ok:
             return False
     return found
+
+
+def gate_requires_not(path: Path, function: str, callee: str) -> bool:
+    """Module-level ``function`` returns an ``and`` chain with ``not callee()`` in it
+    (SGLang's ``apply_flashinfer_allreduce_fusion``: defer the all-reduce to the fused
+    norm only while fusion is not marked unavailable)."""
+    tree = ast.parse(Path(path).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.UnaryOp) and isinstance(sub.op, ast.Not)
+                        and list(_calls(sub.operand, callee))):
+                    return True
+    return False
+
+
+def asserts_workspace(path: Path) -> bool:
+    """Some function of the module asserts ``workspace is not None`` (vLLM's fused
+    all-reduce custom op, which a cached compiled graph calls without the pass's
+    ``__init__`` having run)."""
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.Assert):
+            t = node.test
+            if (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name)
+                    and t.left.id == "workspace" and isinstance(t.ops[0], ast.IsNot)):
+                return True
+    return False
+
+
+def class_defines(path: Path, cls: str, method: str) -> bool:
+    tree = ast.parse(Path(path).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return any(isinstance(i, ast.FunctionDef) and i.name == method for i in node.body)
+    raise KeyError(cls)

@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _engines import VLLM_PASS, literal  # noqa: E402
+from _engines import APH_PASS, VLLM_PASS, literal  # noqa: E402
 
 MiB = 1 << 20
 
@@ -141,8 +141,10 @@ class _Capability(tuple):
         return self[0] * 10 + self[1]
 
 
-def vllm_standins(root: Path) -> None:
-    _module("vllm.logger", "vLLM's logger module configures logging through vllm.config "
+def vllm_standins(root: Path, prefix: str = "vllm", pass_file: str = VLLM_PASS) -> None:
+    """vLLM's stand-ins; ``prefix="aphrodite"`` for aphrodite-engine, a vLLM fork that
+    keeps the module layout under its own namespace."""
+    _module(f"{prefix}.logger", "vLLM's logger module configures logging through vllm.config "
             "(pydantic, transformers); the stand-in keeps its *_once API",
             init_logger=_OnceLogger)
     platform = types.SimpleNamespace(
@@ -150,27 +152,28 @@ def vllm_standins(root: Path) -> None:
         get_device_capability=lambda device_id=0: _Capability((9, 0)),
         has_device_capability=lambda cap, device_id=0: 90 >= (
             cap if isinstance(cap, int) else cap[0] * 10 + cap[1]))
-    _module("vllm.platforms", "no GPU on CI: the platform of a single-node H200 (SM 9.0)",
+    _module(f"{prefix}.platforms", "no GPU on CI: the platform of a single-node H200 (SM 9.0)",
             current_platform=platform)
-    table = literal(root / VLLM_PASS, "FI_ALLREDUCE_FUSION_MAX_SIZE_MB")
+    table = literal(root / pass_file, "FI_ALLREDUCE_FUSION_MAX_SIZE_MB")
 
     class PassConfig:
         @staticmethod
         def default_fi_allreduce_fusion_max_size_mb():
             return table.get(90, {})
 
-    _module("vllm.config.compilation", "the real module is vLLM's pydantic config; the "
+    _module(f"{prefix}.config.compilation", "the real module is vLLM's pydantic config; the "
             "stand-in serves the one method used, from the real table of the fetched "
             "fusion pass (SM 9.0 row)", PassConfig=PassConfig)
-    aru = root / "vllm/distributed/device_communicators/all_reduce_utils.py"
+    aru = root / f"{prefix}/distributed/device_communicators/all_reduce_utils.py"
     if aru.exists():
-        _module("vllm.distributed.device_communicators.all_reduce_utils",
+        _module(f"{prefix}.distributed.device_communicators.all_reduce_utils",
                 "the real module loads CUDA runtime wrappers; only its constant is used, "
                 "read from the fetched file", FI_MNNVL_ALLREDUCE_MAX_SIZE_MB=literal(
                     aru, "FI_MNNVL_ALLREDUCE_MAX_SIZE_MB"))
-    _module("vllm.distributed.parallel_state", "the real module is vLLM's whole distributed "
-            "runtime; every rank of this test runs on one host, which is what the real "
-            "_node_count computes", _node_count=lambda group: 1)
+    _module(f"{prefix}.distributed.parallel_state", "the real module is vLLM's whole "
+            "distributed runtime; every rank of this test runs on one host, which is what "
+            "the real _node_count/get_node_count compute",
+            _node_count=lambda group: 1, get_node_count=lambda: 1)
 
 
 def drive_vllm_033(root, group, other_group, out):
@@ -226,6 +229,146 @@ def drive_vllm_018(root, group, other_group, out):
     out["standalone_enabled_before"] = not far.disabled
     out["standalone_ensure"] = far._ensure_workspace(4096, torch.bfloat16)
     out["standalone_disabled"] = far.disabled
+
+
+def drive_vllm_family(prefix, group, other_group, out):
+    """vLLM >= 0.20 and aphrodite-engine: ``get_fi_ar_workspace`` (what the fusion pass,
+    the Gemma fused op and the standalone all-reduce call), asked twice, then the
+    standalone all-reduce, then the quant workspace for another group."""
+    import torch
+
+    fi = __import__(f"{prefix}.distributed.device_communicators.flashinfer_all_reduce",
+                    fromlist=["_"])
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    kw = dict(world_size=world, rank=rank, max_token_num=1024, hidden_dim=4096,
+              dtype=torch.bfloat16)
+    try:
+        out["workspace"] = repr(fi.get_fi_ar_workspace(group=group, **kw))
+    except Exception as exc:
+        out["workspace_error"] = _error(exc)
+    out["none_registered"] = id(None) in getattr(fi, "_fi_ar_workspace_groups", {})
+    try:
+        out["again"] = repr(fi.get_fi_ar_workspace(group=group, **kw))
+    except Exception as exc:
+        out["again_error"] = _error(exc)
+    far = fi.FlashInferAllReduce(group=group, device=0)
+    out["standalone_enabled_before"] = not far.disabled
+    out["standalone_ensure"] = far._ensure_workspace(4096, torch.bfloat16)
+    out["standalone_disabled"] = far.disabled
+    try:
+        out["quant_other_group"] = repr(fi.get_fi_ar_quant_workspace(group=other_group, **kw))
+    except Exception as exc:
+        out["quant_other_group_error"] = _error(exc)
+
+
+_VLLM_LIB, _VLLM_OPS = None, set()
+
+
+def vllm_015_standins(root, coordinator):
+    """vLLM 0.15's fusion pass module (``vllm/compilation/collective_fusion.py``) imports
+    the compiler stack; the stand-ins give it what its import and ``__init__`` use."""
+    import torch
+
+    vllm_standins(root, pass_file="vllm/compilation/collective_fusion.py")
+    sys.modules["vllm.platforms"].current_platform.fp8_dtype = lambda: torch.float8_e4m3fn
+    _module("vllm.config", "pydantic config; only the type name is imported",
+            VllmConfig=object)
+    _module("vllm.config.utils", "config helpers; only the type name is imported",
+            Range=object)
+    _module("vllm.distributed", "vLLM's distributed runtime: the TP group (its "
+            "device_group, NCCL in vLLM, is a gloo group here)",
+            get_tp_group=lambda: coordinator, tensor_model_parallel_all_reduce=None)
+    _module("vllm.distributed.parallel_state", "TP rank and size of this two-rank run",
+            get_tensor_model_parallel_rank=lambda: coordinator.rank_in_group,
+            get_tensor_model_parallel_world_size=lambda: coordinator.world_size)
+    _module("vllm.model_executor", "package of the stand-in below",
+            __path__=[str(root / "vllm/model_executor")])
+    _module("vllm.model_executor.layers.quantization.utils.quant_utils", "quantization "
+            "keys; only the name is imported", kFp8StaticTensorSym=None)
+    global _VLLM_LIB
+    if _VLLM_LIB is None:
+        _VLLM_LIB = torch.library.Library("vllm", "FRAGMENT")
+
+    def direct_register_custom_op(op_name, op_func, mutates_args=(), fake_impl=None, **kw):
+        if op_name in _VLLM_OPS:  # the next mode re-imports the module: same op
+            return
+        _VLLM_OPS.add(op_name)
+        _VLLM_LIB.define(op_name + torch.library.infer_schema(op_func, mutates_args=mutates_args))
+        _VLLM_LIB.impl(op_name, op_func, "CPU")
+
+    _module("vllm.utils.torch_utils", "vLLM's torch helpers; its op registration, "
+            "written here with torch.library", direct_register_custom_op=direct_register_custom_op)
+    _module("vllm.compilation.inductor_pass", "inductor plumbing; the decorator is only "
+            "used on pattern registration, which is never reached",
+            enable_fake_mode=lambda fn: fn)
+    _module("vllm.compilation.matcher_utils", "pattern matchers; only names are imported",
+            MatcherFusedAddRMSNorm=object, MatcherQuantFP8=object, MatcherRMSNorm=object)
+
+    class VllmInductorPass:
+        def __init__(self, config):
+            self.model_dtype = config.model_config.dtype
+            self.device = "cpu"
+
+        @staticmethod
+        def time_and_log(fn):
+            return fn
+
+    _module("vllm.compilation.vllm_inductor_pass", "the pass base classes; what __init__ "
+            "reads from them is the model dtype", VllmInductorPass=VllmInductorPass,
+            VllmPatternMatcherPass=VllmInductorPass)
+
+
+def drive_vllm_015(root, group, other_group, out):
+    """``AllReduceFusionPass(config)``: what vLLM 0.15 runs at its first torch.compile
+    (the profile run, during start-up) with ``fuse_allreduce_rms`` on."""
+    import torch
+
+    mod = __import__("vllm.compilation.collective_fusion", fromlist=["_"])
+    table = mod.FI_ALLREDUCE_FUSION_MAX_SIZE_MB[90]
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(dtype=torch.bfloat16, get_hidden_size=lambda: 4096),
+        compilation_config=types.SimpleNamespace(pass_config=types.SimpleNamespace(
+            flashinfer_max_size=lambda world: int(table[world] * MiB))),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192))
+    try:
+        p = mod.AllReduceFusionPass(config)
+        out["pass"] = {"disabled": p.disabled}
+    except Exception as exc:
+        out["pass_error"] = _error(exc)
+
+
+# --------------------------------------------------------------------------- lmdeploy
+
+
+def lmdeploy_standins(root):
+    import torch
+    import flashinfer.comm.cuda_ipc as cuda_ipc
+
+    _module("lmdeploy", "the real package __init__ imports lmdeploy's whole API; this one "
+            "only points at the fetched files", __path__=[str(root / "lmdeploy")])
+    _module("lmdeploy.utils", "lmdeploy.utils imports most of lmdeploy; the one name used: "
+            "get_logger (a stdlib logger)", get_logger=logging.getLogger)
+    # the simulated H200: SM 9.0, device 0; FlashInfer's cudart binding needs libcudart
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.current_device = lambda: 0
+    cuda_ipc.cudart = types.SimpleNamespace(cudaSetDevice=lambda device: None)
+
+
+def drive_lmdeploy(group, out):
+    """lmdeploy's ``FlashInferAllReduce`` (one per process group): the in-place all-reduce
+    and the fused residual + RMSNorm, each twice; both create the workspace lazily."""
+    import torch
+
+    mod = __import__("lmdeploy.pytorch.backends.cuda.comm.flashinfer_allreduce",
+                     fromlist=["_"])
+    far = mod.FlashInferAllReduce(group)
+    x = torch.randn(8, 4096, dtype=torch.bfloat16)
+    out["all_reduce_first"] = far.all_reduce_(x)
+    out["disabled"] = far._disabled
+    out["all_reduce_second"] = far.all_reduce_(x)
+    fused = far.fused_all_reduce_residual_rms_norm(
+        x, torch.randn_like(x), torch.ones(4096, dtype=torch.bfloat16), 1e-6)
+    out["fused"] = repr(fused)
 
 
 # --------------------------------------------------------------------------- SGLang
@@ -312,6 +455,142 @@ def _op_call(fn):
         return {"raised": _error(exc)}
 
 
+def _gloo_all_reduce(group):
+    """The TP all-reduce (NCCL in SGLang) over the gloo group, in float32."""
+    def all_reduce(t):
+        import torch.distributed as dist
+
+        total = t.float()
+        dist.all_reduce(total, group=group)
+        return total.to(t.dtype)
+    return all_reduce
+
+
+def sglang_modern_standins(root, coordinator, driver, backend="trtllm"):
+    """SGLang 0.5.14-0.5.19: the fusion file and the real ``layernorm.py`` (the layer
+    that calls the fused op and falls back on ``(None, None)``)."""
+    ws, rank = coordinator.world_size, coordinator.rank_in_group
+    _module("sglang.srt.distributed", "the real package is SGLang's distributed runtime; "
+            "TP=2 on one process group: every getter returns the same coordinator",
+            get_attn_tp_group=lambda: coordinator, get_moe_ep_group=lambda: coordinator,
+            get_moe_tp_group=lambda: coordinator, get_tp_group=lambda: coordinator,
+            tensor_model_parallel_all_reduce=_gloo_all_reduce(coordinator.cpu_group),
+            tensor_model_parallel_fused_allreduce_rmsnorm=None)  # AMD aiter only
+    _module("sglang.srt.distributed.parallel_state", "every rank here is on one host",
+            in_the_same_node_as=lambda pg, source_rank=0: [True] * ws)
+    parallel = types.SimpleNamespace(
+        attn_tp_size=ws, attn_tp_rank=rank, tp_size=ws, nnodes=1, moe_ep_size=1,
+        moe_ep_rank=0, moe_tp_size=ws, moe_tp_rank=rank)
+    args = types.SimpleNamespace(flashinfer_allreduce_fusion_backend=backend, nnodes=1,
+                                 enable_aiter_allreduce_fusion=False)
+    exec_ = types.SimpleNamespace(comm=types.SimpleNamespace(
+        flashinfer_allreduce_fusion_backend=backend))
+    resources = types.SimpleNamespace(buffers={})
+    _module("sglang.srt.runtime_context", "built by the SGLang server from ServerArgs; this "
+            f"one is a TP=2 single-node Hopper run, --flashinfer-allreduce-fusion-backend "
+            f"{backend}", get_parallel=lambda: parallel, get_server_args=lambda: args,
+            get_exec=lambda: exec_, get_resources=lambda: resources,
+            get_platform=lambda: types.SimpleNamespace(is_sm90=True, is_sm100=False))
+    _module("sglang.srt.server_args", "the real module is the server's argument parser; "
+            "the same run's arguments", get_global_server_args=lambda: args)
+    no = lambda *a, **k: False  # noqa: E731
+    _module("sglang.srt.utils", "sglang.srt.utils imports most of SGLang; the names used: "
+            "ceil_align, the CUDA driver (simulated GPU), is_flashinfer_available (it is "
+            "installed), SM 9.0, and for layernorm.py every platform predicate False so that "
+            "it takes its torch-native path (no sgl_kernel on CPU)",
+            ceil_align=lambda x, y: -(-x // y) * y, get_cuda_driver_bindings=lambda: driver,
+            is_flashinfer_available=lambda: True, is_sm90_supported=lambda: True,
+            is_sm100_supported=no, cpu_has_amx_support=no,
+            get_bool_env_var=lambda name, default="false": False, is_cpu=no, is_cuda=no,
+            is_hip=no, is_musa=no, is_npu=no, is_xpu=no, is_gfx1250_supported=no)
+    _custom_op_standin()
+    _module("sglang.srt.debug_utils.cuda_coredump", "imported by the real environ.py for "
+            "CUDA core-dump settings; no GPU here")
+    _module("sglang.srt.batch_invariant_ops", "batch-invariant kernels (Triton); off",
+            is_batch_invariant_mode_enabled=no, rms_norm_batch_invariant=None)
+    _module("sglang.srt.model_executor.cuda_graph_config", "CUDA graph capture settings; "
+            "no graphs here", Backend=None, Phase=None, check_cuda_graph_backend=no)
+    import torch
+
+    class MultiPlatformOp(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return self.forward_native(*args, **kwargs)
+
+    _module("sglang.srt.layers.utils", "SGLang's per-platform dispatch base; on CPU it "
+            "dispatches to forward_native, as here", MultiPlatformOp=MultiPlatformOp)
+    _module("sglang.kernels.fused_op", "0.5.19's per-platform dispatch base (same role)",
+            BaseFusedOp=MultiPlatformOp)
+
+
+def drive_sglang_modern(root, group, other_group, out):
+    """The runner's warm-up (``pre_initialize_workspaces``), then one decoder layer's
+    norm twice, as the communicator runs it: with the all-reduce deferred to the fused
+    norm while ``is_flashinfer_allreduce_unavailable()`` is False (the state-dependent
+    term of ``communicator.apply_flashinfer_allreduce_fusion``, checked in its source),
+    else all-reduce first, then the plain norm. Compared with the non-fused reference
+    computed from the same inputs: all-reduce over the ranks, then the same RMSNorm."""
+    import torch
+    import torch.distributed as dist
+
+    mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
+    ln = __import__("sglang.srt.layers.layernorm", fromlist=["_"])
+    out["bound_is_wrapped"] = _is_ours(mod._create_allreduce_fusion_workspace)
+    try:
+        mod.pre_initialize_workspaces(2048, 4096, torch.bfloat16)
+    except Exception as exc:
+        out["warmup_error"] = _error(exc)
+    manager = mod._get_workspace_manager(True)
+    out["unavailable"] = mod.is_flashinfer_allreduce_unavailable()
+    out["manager_initialized"] = manager.initialized
+    out["manager_workspace"] = repr(manager.workspace)
+    rank = dist.get_rank(group)
+    norm = ln.RMSNorm(4096, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 4096))
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank's partial sums differ
+    x = torch.randn(8, 4096, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(8, 4096, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+
+    all_reduce = _gloo_all_reduce(group)
+    with torch.no_grad():
+        ref = norm.forward_native(all_reduce(x), residual.clone())
+        unreduced = norm.forward_native(x.clone(), residual.clone())
+        layers = []
+        for _ in range(2):
+            deferred = not mod.is_flashinfer_allreduce_unavailable()
+            if deferred:
+                got = norm.forward_with_allreduce_fusion(x.clone(), residual.clone())
+            else:
+                got = norm.forward(all_reduce(x), residual.clone())
+            layers.append({
+                "deferred_to_fused_norm": deferred,
+                "matches_reference": bool(torch.allclose(got[0].float(), ref[0].float(),
+                                                         atol=1e-2, rtol=1e-2)),
+                "matches_unreduced": bool(torch.allclose(got[0].float(), unreduced[0].float(),
+                                                         atol=1e-2, rtol=1e-2)),
+                "max_abs_diff": float((got[0].float() - ref[0].float()).abs().max())})
+    out["layers"] = layers
+    out["unavailable_after"] = mod.is_flashinfer_allreduce_unavailable()
+
+
+def sglang_058_standins(root, coordinator):
+    _module("sglang.srt.distributed", "SGLang's distributed runtime: the TP size",
+            get_tensor_model_parallel_world_size=lambda: coordinator.world_size)
+    _module("sglang.srt.utils", "sglang.srt.utils imports most of SGLang; the one name "
+            "used: is_flashinfer_available (it is installed)",
+            is_flashinfer_available=lambda: True)
+    _custom_op_standin()
+
+
+def drive_sglang_058(root, group, other_group, out):
+    """The fused residual + RMSNorm op, which creates the (legacy) workspace lazily at
+    its first call, twice."""
+    mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
+    out["op_first"] = _op_call(mod.flashinfer_allreduce_residual_rmsnorm)
+    out["manager_initialized"] = mod._workspace_manager.initialized
+    out["op_second"] = _op_call(mod.flashinfer_allreduce_residual_rmsnorm)
+
+
 def drive_sglang_0523(root, group, other_group, out):
     mod = __import__("sglang.srt.layers.flashinfer_comm_fusion", fromlist=["_"])
     out["bound_is_wrapped"] = _is_ours(mod._create_allreduce_fusion_workspace)
@@ -348,53 +627,159 @@ def _is_ours(fn) -> bool:
 # --------------------------------------------------------------------------- main
 
 
+DRIVERS = {}  # (engine, version) -> function(root, group, other, free_bytes, out)
+
+
+def driver(engine, *versions):
+    def register(fn):
+        for v in versions:
+            DRIVERS[(engine, v)] = fn
+        return fn
+    return register
+
+
+def _engine_prefix(engine: str) -> str:
+    return {"aphrodite-engine": "aphrodite"}.get(engine, engine)
+
+
+def _purge(prefix: str) -> None:
+    """Forget every module of the engine (real and stand-in): the next mode imports the
+    real files afresh, with none of the previous mode's latches."""
+    for name in [n for n in sys.modules if n == prefix or n.startswith(prefix + ".")]:
+        del sys.modules[name]
+
+
+class _Answers:
+    """Records what ``_caller.resolve`` answered (it still answers: a spy, not a stand-in)."""
+
+    def __init__(self):
+        from flashinfer_safe_workspace import _caller
+
+        self.items, self._real = [], _caller.resolve
+        _caller.resolve = self
+
+    def __call__(self, on_veto, entry):
+        answer = self._real(on_veto, entry)
+        self.items.append({"kind": answer.kind, "caller": answer.caller, "why": answer.why})
+        return answer
+
+
+@driver("vllm", "0.33.0")
+def run_vllm_033(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_033(root, group, other, out)
+
+
+@driver("vllm", "0.18.0", "0.17.0")
+def run_vllm_018(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_018(root, group, other, out)
+
+
+@driver("vllm", "0.20.0", "0.26.0")
+def run_vllm_family(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_family("vllm", group, other, out)
+
+
+@driver("aphrodite-engine", "0.24.1")
+def run_aphrodite(root, group, other, free, out):
+    vllm_standins(root, "aphrodite", APH_PASS)
+    drive_vllm_family("aphrodite", group, other, out)
+
+
+@driver("lmdeploy", "0.18.0")
+def run_lmdeploy(root, group, other, free, out):
+    lmdeploy_standins(root)
+    drive_lmdeploy(group, out)
+
+
+@driver("sglang", "0.5.14", "0.5.17", "0.5.19")
+def run_sglang_modern(root, group, other, free, out):
+    coordinator = _Coordinator(other, group)
+    sglang_modern_standins(root, coordinator, simulate_gpu_for_engine(free))
+    drive_sglang_modern(root, group, other, out)
+
+
+@driver("vllm", "0.15.0")
+def run_vllm_015(root, group, other, free, out):
+    vllm_015_standins(root, _Coordinator(group, other))
+    drive_vllm_015(root, group, other, out)
+
+
+@driver("sglang", "0.5.8")
+def run_sglang_058(root, group, other, free, out):
+    sglang_058_standins(root, _Coordinator(other, group))
+    drive_sglang_058(root, group, other, out)
+
+
+@driver("sglang", "0.5.23")
+def run_sglang_0523(root, group, other, free, out):
+    coordinator = _Coordinator(other, group)  # device_group (NCCL in SGLang), cpu_group
+    sglang_0523_standins(root, coordinator, simulate_gpu_for_engine(free), "trtllm")
+    drive_sglang_0523(root, group, other, out)
+
+
+@driver("sglang", "0.5.10.post1")
+def run_sglang_0510(root, group, other, free, out):
+    sglang_0510_standins(root, _Coordinator(other, group))
+    drive_sglang_0510(root, group, other, out)
+
+
+
+
 def main(argv):
-    engine, version, root, rank, world, port, scenario, free_mb = argv
+    engine, version, root, rank, world, port, modes, free_mb = argv
     root, rank, world, free = Path(root), int(rank), int(world), int(free_mb) * MiB
+    modes = modes.split(",")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s %(message)s")
     logging.getLogger().addHandler(RECORDS)
     import torch.distributed as dist
 
+    import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace import _decide, _probe
+    from flashinfer_safe_workspace._doctor import parse_decision_lines
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     group = dist.new_group(list(range(world)), backend="gloo")  # the engine's TP cpu_group
     other = dist.new_group(list(range(world)), backend="gloo")  # another group, same ranks
     _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
+    answers = _Answers()
     sys.path.insert(0, str(root))
-    out = {"rank": rank, "pid": os.getpid(), "engine": engine, "version": version,
-           "scenario": scenario}
-    try:
-        if engine == "vllm":
-            vllm_standins(root)
-            {"0.33.0": drive_vllm_033, "0.18.0": drive_vllm_018}[version](root, group, other, out)
-        else:
-            coordinator = _Coordinator(other, group)  # device_group (NCCL in SGLang), cpu_group
-            if version == "0.5.23":
-                driver = simulate_gpu_for_engine(free)
-                sglang_0523_standins(root, coordinator, driver, "trtllm")
-                drive_sglang_0523(root, group, other, out)
-            else:
-                sglang_0510_standins(root, coordinator)
-                drive_sglang_0510(root, group, other, out)
-    except BaseException as exc:  # reported, never hidden
-        out["crashed"] = _error(exc)
-        out["traceback"] = traceback.format_exc()[-3000:]
-    from flashinfer_safe_workspace._doctor import parse_decision_lines
-
-    text = "\n".join(r["msg"] for r in RECORDS.items if r["logger"] == "flashinfer_safe_workspace")
-    out["decisions"] = parse_decision_lines(text)
-    out["report"] = {k: v for k, v in _decide.last_report.items() if k != "note"}
-    out["records"] = [r for r in RECORDS.items if r["level"] in ("WARNING", "ERROR", "INFO")
-                      and r["logger"] != "flashinfer_safe_workspace"]
-    out["standins"] = sorted(n for n, m in sys.modules.items()
-                             if isinstance(getattr(m, "__dict__", {}).get("__standin__"), str))
-    out["real_files"] = sorted(str(Path(m.__file__).relative_to(root))
-                               for m in list(sys.modules.values())
-                               if getattr(m, "__file__", None) and str(m.__file__).startswith(str(root)))
-    print(json.dumps(out, default=str), flush=True)
+    result = {"rank": rank, "pid": os.getpid(), "engine": engine, "version": version,
+              "modes": {}}
+    for i, mode in enumerate(modes):
+        # the first mode is the production activation (variable + .pth, ON_VETO from the
+        # environment); later modes re-install in code, which clears the veto cache
+        if i:
+            fiws.uninstall()
+            fiws.install(on_veto=mode)
+        dist.barrier(group)
+        _purge(_engine_prefix(engine))
+        mark, amark = len(RECORDS.items), len(answers.items)
+        out = {"mode": mode}
+        try:
+            DRIVERS[(engine, version)](root, group, other, free, out)
+        except BaseException as exc:  # reported, never hidden
+            out["crashed"] = _error(exc)
+            out["traceback"] = traceback.format_exc()[-3000:]
+        records = RECORDS.items[mark:]
+        text = "\n".join(r["msg"] for r in records if r["logger"] == "flashinfer_safe_workspace")
+        out["decisions"] = parse_decision_lines(text)
+        out["answers"] = answers.items[amark:]
+        out["report"] = {k: v for k, v in _decide.last_report.items() if k != "note"}
+        out["records"] = [r for r in records if r["level"] in ("WARNING", "ERROR", "INFO")
+                          and r["logger"] != "flashinfer_safe_workspace"]
+        out["standins"] = sorted(n for n, m in sys.modules.items()
+                                 if isinstance(getattr(m, "__dict__", {}).get("__standin__"), str))
+        out["real_files"] = sorted(
+            str(Path(m.__file__).relative_to(root)) for m in list(sys.modules.values())
+            if getattr(m, "__file__", None) and str(m.__file__).startswith(str(root)))
+        result["modes"][mode] = out
+        dist.barrier(group)
+    print(json.dumps(result, default=str), flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from _engines import VLLM_PASS, guarded_by_except_exception, none_check_disables
-from _runner import check_doc, engine_root, messages, run_ranks
+from _runner import MODES, check_answers, check_doc, engine_root, messages, run_ranks
 
 FREE = [80 * 1024, 256]  # MiB per rank: rank 1 is short
 LOGGER = "vllm.distributed.device_communicators.flashinfer_all_reduce"
@@ -22,7 +22,7 @@ LOGGER = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 
 def _common(reports):
     for rank, r in enumerate(reports):
-        assert r["real_files"][0].endswith("flashinfer_all_reduce.py")
+        assert r["real_files"][0].endswith(("flashinfer_all_reduce.py", "collective_fusion.py"))
         assert all(d["outcome"] == "veto" and d["ranks"] == [0, 1] for d in r["decisions"])
         assert [d["probe"] for d in r["decisions"]] == (["ok"] * len(r["decisions"]) if rank == 0
                                                         else ["no"] * len(r["decisions"]))
@@ -33,10 +33,11 @@ def v033():
     return engine_root("vllm", "0.33.0")
 
 
-@pytest.mark.parametrize("mode", ["none", "raise"])
+@pytest.mark.parametrize("mode", MODES)
 def test_vllm_033_ends_non_fused(v033, mode):
-    reports = run_ranks("vllm", "0.33.0", v033, FREE, mode)
+    reports = run_ranks("vllm", "0.33.0", v033, FREE)[mode]
     _common(reports)
+    check_answers(reports, mode, LOGGER)
     for r in reports:
         # backend auto on one node: mnnvl first, then the trtllm fallback; both vetoed
         assert [d["backend"] for d in r["decisions"]] == ["mnnvl", "trtllm"]
@@ -59,7 +60,7 @@ def test_vllm_033_ends_non_fused(v033, mode):
             err = r["quant_other_group_error"]
             assert err["type"] == "RuntimeError" and "different process group" in err["message"]
             observed = "non-fused, RuntimeError for a 2nd group"
-        else:
+        else:  # raise, and auto (a vllm. caller)
             assert any("not created on any rank" in m for m in warnings)
             assert r["none_registered"] is False
             assert r["quant_other_group"] == "None"
@@ -74,15 +75,13 @@ def test_vllm_033_fusion_pass_disables_itself_on_none(v033):
                                "get_fi_ar_workspace")
 
 
-@pytest.fixture(scope="module")
-def v018():
-    return engine_root("vllm", "0.18.0")
-
-
-@pytest.mark.parametrize("mode", ["none", "raise"])
-def test_vllm_018_ends_non_fused(v018, mode):
-    reports = run_ranks("vllm", "0.18.0", v018, FREE, mode)
+@pytest.mark.parametrize("version", ["0.17.0", "0.18.0"])
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_017_018_end_non_fused(version, mode):
+    root = engine_root("vllm", version)
+    reports = run_ranks("vllm", version, root, FREE)[mode]
     _common(reports)
+    check_answers(reports, mode, LOGGER)
     for r in reports:
         assert len(r["decisions"]) == 1  # the standalone retry is served by the veto cache
         err = r["initialize_error"]
@@ -95,9 +94,71 @@ def test_vllm_018_ends_non_fused(v018, mode):
         assert r["standalone_ensure"] is False and r["standalone_disabled"] is True
         assert any("FlashInfer All Reduce will be disabled" in m
                    for m in messages(r, LOGGER))
-        check_doc("vLLM", "0.18.0", mode, "non-fused")
+        check_doc("vLLM", version, mode, "non-fused")
 
 
-def test_vllm_018_fusion_pass_catches_creation_errors(v018):
-    assert guarded_by_except_exception(v018 / VLLM_PASS, "AllReduceFusionPass", "__init__",
+@pytest.mark.parametrize("version", ["0.17.0", "0.18.0"])
+def test_vllm_017_018_fusion_pass_catches_creation_errors(version):
+    root = engine_root("vllm", version)
+    assert guarded_by_except_exception(root / VLLM_PASS, "AllReduceFusionPass", "__init__",
                                        "initialize_fi_ar_workspace")
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0"])
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_020_026_end_non_fused(version, mode):
+    """No failure latch and no ``id(None)`` bookkeeping: ``None`` and an exception both
+    become ``None`` from ``_create_workspace``; the repeats are served by the veto cache."""
+    root = engine_root("vllm", version)
+    reports = run_ranks("vllm", version, root, FREE)[mode]
+    _common(reports)
+    check_answers(reports, mode, LOGGER)
+    # 0.20 picks trtllm on one node; 0.26 picks mnnvl and falls back to trtllm
+    first = ["trtllm"] if version == "0.20.0" else ["mnnvl", "trtllm"]
+    for r in reports:
+        backends = [d["backend"] for d in r["decisions"]]
+        assert backends == first + ["trtllm"]  # + the quant workspace (another size)
+        assert r["workspace"] == "None" and r["again"] == "None"
+        assert r["none_registered"] is False and r["quant_other_group"] == "None"
+        assert r["standalone_enabled_before"] and r["standalone_ensure"] is False
+        assert r["standalone_disabled"] is True
+        assert any("Failed to initialize FlashInfer Allreduce norm fusion workspace "
+                   "with backend=trtllm" in m for m in messages(r, LOGGER))
+        check_doc("vLLM", version, mode, "non-fused")
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0"])
+def test_vllm_020_026_fusion_pass_disables_itself_on_none(version):
+    root = engine_root("vllm", version)
+    assert none_check_disables(root / VLLM_PASS, "AllReduceFusionPass", "__init__",
+                               "get_fi_ar_workspace")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_015_legacy_pass_fails_start_up_on_every_rank(mode):
+    """vLLM 0.15 tuple-unpacks the legacy function in ``AllReduceFusionPass.__init__``
+    (first torch.compile, during start-up) with no ``try``: the legacy entry raises in
+    every mode, so start-up fails with the shim's message on every rank, instead of one
+    rank failing and the other hanging in the handle exchange."""
+    root = engine_root("vllm", "0.15.0")
+    reports = run_ranks("vllm", "0.15.0", root, FREE)[mode]
+    _common(reports)
+    check_answers(reports, mode, "vllm.compilation.collective_fusion", legacy=True)
+    for r in reports:
+        (d,) = r["decisions"]
+        assert d["entry"] == "legacy" and d["backend"] == "trtllm"
+        err = r["pass_error"]
+        assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+    check_doc("vLLM", "0.15.0", mode, "clean start-up failure on every rank")
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.26.0", "0.33.0"])
+def test_vllm_compile_cache_hazard_is_in_the_source(version):
+    """What docs/engines.md says about the compile cache: the fused custom op asserts a
+    workspace exists, and ``AllReduceFusionPass`` defines no ``uuid`` of its own, so its
+    cache identity does not include whether it disabled itself."""
+    from _engines import asserts_workspace, class_defines
+
+    root = engine_root("vllm", version)
+    assert asserts_workspace(root / VLLM_PASS)
+    assert not class_defines(root / VLLM_PASS, "AllReduceFusionPass", "uuid")
