@@ -1406,44 +1406,57 @@ ALLOCATOR_C_SHAPES = [
 
 def case_n(ctx: Ctx) -> dict:
     """Allocator C (torch symmetric memory; FlashInfer 0.7.4's legacy default path): the
-    plan against the device memory the creation really took (free-memory delta)."""
+    plan's per-buffer bytes against what each buffer really took (free-memory delta
+    around FlashInfer's own ``_alloc_symm_buffer_bytes``), and the whole creation's
+    free-memory delta against the plan peak."""
     params = {"shapes": ALLOCATOR_C_SHAPES}
     params.update(ctx.overrides.get("n", {}))
-    run = run_pair(ctx, "e", params, timeout=180)
-    gran = 2 * MiB
+    run = run_pair(ctx, "n", params, timeout=180)
     rows = []
     for r in range(ctx.world_size):
-        for e in events(run, r, "plan_truth"):
+        for e in events(run, r, "alloc_c"):
             plan = e.get("plan") or {}
             peak = plan.get("peak_bytes")
+            planned = [a.get("bytes") for a in plan.get("allocations") or []
+                       if a.get("api") == "cuMemCreate" and a.get("held", True)]
+            measured = [b["free_delta"] for b in e.get("buffers") or []]
             used = e["free_before"] - e["free_after"]
             rows.append({"name": e["name"], "rank": r, "error": e.get("error"),
-                         "plan_peak": peak, "plan_allocator": plan.get("allocator"),
-                         "plan_allocations": [[a.get("name"), a.get("bytes"), a.get("api")]
-                                              for a in plan.get("allocations") or []],
+                         "signal_pad": e.get("signal_pad"), "plan_peak": peak,
+                         "plan_allocator": plan.get("allocator"), "planned_buffers": planned,
+                         "measured_buffers": measured,
+                         "buffers_match": bool(planned) and planned == measured,
                          "free_delta": used,
                          "used_minus_plan": used - peak if isinstance(peak, int) else None,
+                         "kept_after_release": e["free_before"] - e["free_released"],
                          "torch_reserved_delta": e["torch_reserved_delta"],
-                         "seconds": e["seconds"]})
+                         "seconds": e["seconds"], "plan_error": plan.get("error")})
     n_expected = len(params["shapes"]) * ctx.world_size
     checks = [
         check("every shape created on every rank",
               len(rows) == n_expected and not any(r["error"] for r in rows),
               "; ".join(f"{r['name']} rank {r['rank']}: {(r['error'] or {}).get('msg', '')[:200]}"
                         for r in rows if r["error"])),
-        check("the plan does not under-ask: memory taken <= plan peak + one 2 MiB granule",
+        check("each torch symmetric-memory buffer took exactly the plan's bytes (signal pad "
+              "and rounding)", len(rows) == n_expected and all(r["buffers_match"] for r in rows),
+              "; ".join(f"{r['name']} rank {r['rank']}: planned {_mib_list(r['planned_buffers'])}"
+                        f" MiB, took {_mib_list(r['measured_buffers'])} MiB (pad {r['signal_pad']})"
+                        for r in rows if not r["buffers_match"])),
+        check("the whole creation took no more than the plan peak + 4 MiB (small pages)",
               len(rows) == n_expected and all(isinstance(r["used_minus_plan"], int)
-                                              and r["used_minus_plan"] <= gran for r in rows),
+                                              and r["used_minus_plan"] <= 4 * MiB for r in rows),
               "; ".join(f"{r['name']} rank {r['rank']}: used - plan = "
-                        f"{(r['used_minus_plan'] or 0) / MiB:+.2f} MiB" for r in rows)),
-        check("the plan does not over-ask by a granule or more",
-              bool(rows) and all(isinstance(r["used_minus_plan"], int)
-                                 and r["used_minus_plan"] > -gran for r in rows),
+                        f"{(r['used_minus_plan'] or 0) / MiB:+.2f} MiB" for r in rows),
               required=False),
     ]
-    summary = "; ".join(f"{r['name']} r{r['rank']}: used - plan "
-                        f"{(r['used_minus_plan'] or 0) / MiB:+.2f} MiB" for r in rows) or "no rows"
+    summary = "; ".join(f"{r['name']} r{r['rank']}: buffers planned "
+                        f"{_mib_list(r['planned_buffers'])} took {_mib_list(r['measured_buffers'])} MiB"
+                        for r in rows) or "no rows"
     return finish_case(checks, {"rows": rows}, [run], summary, rank_errors(run))
+
+
+def _mib_list(values) -> str:
+    return "+".join(f"{v / MiB:g}" for v in values or [] if isinstance(v, (int, float)))
 
 
 # --------------------------------------------------------------------------- registry

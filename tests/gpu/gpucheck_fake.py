@@ -337,6 +337,17 @@ class _FakeTorchSymm:
             pass
 
 
+def fake_alloc_symm_buffer_bytes(size_bytes, world_size, dtype, device, group_name):
+    """FlashInfer's ``_alloc_symm_buffer_bytes`` (torch symmetric memory): one buffer of
+    RU(size + torch's signal pad, granularity), then the rendezvous (a collective)."""
+    hid = _device.gpu.create(_ru(int(size_bytes) + torch_signal_pad(), GRAN))
+    if hid is None:
+        raise RuntimeError("CUDA out of memory (fake torch symmetric memory)")
+    handle = _FakeTorchSymm(hid)
+    _collective("rendezvous")
+    return [hid * 1000 + r for r in range(world_size)], None, handle
+
+
 def _fake_legacy_torch_symm(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport):
     """0.7.4's legacy default path (allocator C): three torch symmetric-memory buffers,
     each RU(RU(size, 16) + torch's signal pad, granularity), no FABRIC attempt."""
@@ -346,15 +357,12 @@ def _fake_legacy_torch_symm(tp_rank, tp_size, max_token_num, hidden_dim, use_fp3
     buffer_size = tp_size * max_token_num * hidden_dim * wide
     flag_size = tp_size * 256 * 4
     lamport_comm = min(tp_size * max_token_num * hidden_dim * wide, MAX_COMM_SIZE)
-    pad = torch_signal_pad()
     refs, ipc = [], []
     for size in (buffer_size, flag_size, 3 * lamport_comm):
-        hid = _device.gpu.create(_ru(_ru(size, 16) + pad, GRAN))
-        if hid is None:
-            raise RuntimeError("CUDA out of memory (fake torch symmetric memory)")
-        refs.append(_FakeTorchSymm(hid))
-        ipc.append([hid * 1000 + r for r in range(tp_size)])
-        _collective("rendezvous")
+        ptrs, tensor, handle = trtllm_ar._alloc_symm_buffer_bytes(_ru(size, 16), tp_size, None,
+                                                                  None, "0")
+        refs.append((tensor, handle))
+        ipc.append(ptrs)
     trtllm_ar._symm_workspace_refs[id(ipc)] = refs
     trtllm_ar.cudart.cudaMalloc(20)
     _collective("barrier")
@@ -408,6 +416,7 @@ def activate(device) -> None:
     mnnvl.cuda = FakeDriver(device.gpu)
     trtllm_ar.cudart = FakeCudart(device.gpu)
     trtllm_ar.trtllm_lamport_initialize = lambda *a, **k: None
+    trtllm_ar._alloc_symm_buffer_bytes = fake_alloc_symm_buffer_bytes
     # FlashInfer's own legacy function object gets the fake's code, so that every binding
     # (flashinfer.comm, .allreduce, .trtllm_ar; wrapped by the shim or not) and the real
     # TRTLLMAllReduceFusionWorkspace -> legacy call path run unchanged around it.

@@ -725,6 +725,87 @@ def case_e(args):
     finish(group)
 
 
+# --------------------------------------------------------------------------- n: allocator C
+
+
+def case_n(args):
+    """Allocator C (torch symmetric memory, FlashInfer 0.7.4's legacy default path):
+    free memory around each creation, and around each of its three buffers allocated
+    alone through FlashInfer's own ``_alloc_symm_buffer_bytes`` (same sizes and dtypes),
+    next to the plan's per-buffer bytes."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    import torch
+    import flashinfer.comm  # noqa: F401
+    from flashinfer.comm import trtllm_ar
+
+    fn = legacy_function()
+    with Call("warm-up: module + NCCL"):
+        dev.preload_flashinfer_module()
+        group.warm_nccl()
+    group_name = torch.distributed.group.WORLD.group_name
+    keep = None
+    with Call("warm-up: one small symmetric buffer") as c:  # torch's first-use costs
+        keep = trtllm_ar._alloc_symm_buffer_bytes(16, world, torch.int32, dev.torch_device,
+                                                  group_name)
+    settle()
+    for item in p["shapes"]:
+        name, shape = item["name"], item["shape"]
+        kw = legacy_kwargs(shape, rank, world, symm_dev_mem=False)
+        try:
+            plan_json = plan_for("legacy", fn, kw).to_json()
+        except Exception as exc:  # noqa: BLE001
+            plan_json = {"error": exc_info(exc)}
+        before = snapshot(dev, group, f"{name}_before")
+        ws = None
+        with Call(f"create {name}") as c:
+            ws = fn(**kw)
+        after = snapshot(dev, group, f"{name}_after")
+        meta = ws[-1] if isinstance(ws, tuple) else {}
+        if ws is not None:
+            dev.sync()
+            group.barrier()
+            release_workspace(ws)
+            ws = None
+        released = snapshot(dev, group, f"{name}_released")
+        lamport_dtype = torch.float32 if shape["dtype"] == "float32" else torch.float16
+        buffers = []
+        for label, size, dtype in (("buffer", meta.get("buffer_size"), torch.float32),
+                                   ("flag", meta.get("flag_size"), torch.int32),
+                                   ("lamport", meta.get("lamport_buffer_size"), lamport_dtype)):
+            if not isinstance(size, int):
+                continue
+            b = snapshot(dev, group, f"{name}_{label}_before")
+            ref = None
+            with Call(f"{name}: {label} alone") as c2:
+                ref = trtllm_ar._alloc_symm_buffer_bytes(-(-size // 16) * 16, world, dtype,
+                                                         dev.torch_device, group_name)
+            a = snapshot(dev, group, f"{name}_{label}_after")
+            buffers.append({"label": label, "size": size, "free_delta": b["free"] - a["free"],
+                            "error": c2.error})
+            del ref
+            collect()
+        emit("alloc_c", name=name, shape=shape, plan=plan_json, error=c.error,
+             seconds=c.seconds, metadata={k: v for k, v in meta.items()
+                                          if isinstance(v, (int, bool, str))},
+             free_before=before["free"], free_after=after["free"],
+             free_released=released["free"], buffers=buffers,
+             torch_reserved_delta=after["reserved"] - before["reserved"],
+             signal_pad=_signal_pad())
+    del keep
+    finish(group)
+
+
+def _signal_pad():
+    try:
+        from torch.distributed import _symmetric_memory
+
+        return int(_symmetric_memory.get_signal_pad_size())
+    except Exception as exc:  # noqa: BLE001
+        return f"unavailable: {type(exc).__name__}"
+
+
 # --------------------------------------------------------------------------- f: no leak
 
 
@@ -857,7 +938,7 @@ def case_g(args):
 
 
 CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f,
-         "g": case_g, "k": case_k}
+         "g": case_g, "k": case_k, "n": case_n}
 
 if __name__ == "__main__":
     run_main(CASES)
