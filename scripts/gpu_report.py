@@ -690,7 +690,9 @@ def render_l(case: dict) -> list:
                      "Verdict"], rows), ""]
     mrows = [[v, m.get("headroom_why") or "-", mib(m.get("headroom"), 0),
               num(m.get("shim_pass_min_mb"), "+{:.0f} MiB"), num(m.get("flashinfer_ok_min_mb"), "+{:.0f} MiB"),
-              num(m.get("false_veto_margin_mb"), "{:.0f} MiB")]
+              num(m.get("false_veto_margin_mb"), "{:.0f} MiB")
+              if m.get("false_veto_margin_mb") is not None else
+              num(m.get("false_veto_margin_at_least_mb"), ">= {:.0f} MiB (the shim never said yes)")]
              for v, m in (d.get("margins") or {}).items()]
     lines += [table(["Variant", "Headroom why", "Headroom", "Shim's first yes", "FlashInfer's first "
                      "success", "False-veto margin"], mrows), ""]
