@@ -78,10 +78,12 @@ def commit_of(res: dict) -> str:
     c = res.get("commit")
     if isinstance(c, dict) and c.get("commit"):
         return str(c["commit"])[:7] + (" (uncommitted changes)" if c.get("dirty") else "")
+    if res.get("commit_label"):
+        return str(res["commit_label"])
     git = _get(res, "env", "git")
-    if git and git != "HEAD":
+    if git and git != "HEAD":  # 'HEAD': git printed its argument back (no .git there)
         return str(git)[:7]
-    return str(res.get("commit_label") or "unknown")
+    return "unknown"
 
 
 def profile_of(res: dict) -> str:
@@ -842,10 +844,14 @@ def main(argv=None) -> int:
                         "run did not replace, marked with their commit and profile")
     p.add_argument("--older-commit", action="append", default=[],
                    help="commit to name for an older file without one (in order; e.g. 6673930)")
+    p.add_argument("--commit", default=None,
+                   help="commit to name for this run's file if it names none")
     p.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     args = p.parse_args(argv)
     with open(args.results) as fh:
         res = json.load(fh)
+    if args.commit and not _get(res, "commit", "commit"):
+        res["commit_label"] = args.commit
     older = []
     for i, path in enumerate(args.older):
         with open(path) as fh:
