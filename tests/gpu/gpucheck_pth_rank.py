@@ -164,6 +164,8 @@ def case_p(args):
     emit("activation", **_activation(comm))
     callers = _callers()
     settle()
+    # every rank's CUDA context exists before any rank starves the (maybe shared) GPU
+    _snap(dev, group, "start")
     starve = p.get("starve_rank", 0)
     for i, step in enumerate(p["steps"]):
         kw = unified_kwargs(step["shape"], rank, world)

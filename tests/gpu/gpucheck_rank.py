@@ -166,8 +166,10 @@ def last_report():
     line = decision_log().last_decision(_report_mark[0])
     if line is not None:
         outcome = str(line.get("outcome", ""))
-        if not out.get("vote"):
-            out["vote"] = "yes" if outcome == "pass" else ("no" if outcome.startswith("veto") else None)
+        if outcome == "veto-cached":  # answered from the veto cache: no vote
+            out["cached"] = True
+        elif not out.get("vote"):
+            out["vote"] = "yes" if outcome == "pass" else ("no" if outcome == "veto" else None)
         for key in ("plan_bytes", "free_bytes", "headroom_bytes", "elapsed_ms"):
             if key in line and key not in out:
                 out[key] = line[key]
