@@ -645,7 +645,9 @@ def render_q(case: dict) -> list:
     lines += [table(["Shape", "audit= on the decision lines"],
                     [[k, ", ".join(f"{a} ×{n}" for a, n in v.items())] for k, v in audits.items()]), ""]
     lines += [f"Largest tail: first creation {mib(d.get('max_first_tail'), 3)}, later "
-              f"{mib(d.get('max_later_tail'), 3)} per rank. The first creation of a process also "
+              f"{mib(d.get('max_later_tail'), 3)} per rank; the smallest reserve on the 2 MiB "
+              f"grid that covers every tail seen: {d.get('reserve_covering_tails_mb')} MiB. "
+              "The first creation of a process also "
               "loads FlashInfer's trtllm_comm module onto the GPU and takes the first pages of "
               "the caching allocator and of the driver's small allocations: this is what the "
               "small reserve of `HEADROOM_MB=auto` has to cover.", ""]

@@ -1204,7 +1204,11 @@ def case_q(ctx: Ctx) -> dict:
     ]
     firsts = [t["first_max"] for t in tails.values() if t["first_max"] is not None]
     laters = [t["later_max"] for t in tails.values() if t["later_max"] is not None]
+    worst = max(firsts + laters) if firsts + laters else None
     data = {"rows": rows, "tails": tails, "shared_device": ctx.shared_device,
+            # the smallest reserve that covers every tail seen, on the 2 MiB grid
+            "reserve_covering_tails_mb": (-(-worst // (2 * MiB)) * 2 if worst and worst > 0
+                                          else 0) if worst is not None else None,
             "ranks_per_device": ctx.ranks_per_device,
             "max_first_tail": max(firsts) if firsts else None,
             "max_later_tail": max(laters) if laters else None}

@@ -146,7 +146,15 @@ class DecisionLog:
     def since(self, mark: int) -> dict:
         """The decision lines (parsed) and warnings logged after ``mark``."""
         new = self.lines[mark:]
-        decisions = [d for d in (parse_decision(m) for _, m in new) if d is not None]
+        decisions = []
+        for _, m in new:
+            d = parse_decision(m)
+            if d is not None:
+                decisions.append(d)
+            elif " audit=" in m and decisions:  # an audit verdict logged on a line of its own
+                extra = parse_decision(DECISION_MARK + m[m.find(" audit=") + 1:]) or {}
+                if decisions[-1].get("audit") in (None, "-") and "audit" in extra:
+                    decisions[-1]["audit"] = extra["audit"]
         return {"decisions": decisions,
                 "warnings": [m[:2000] for lvl, m in new if lvl in ("WARNING", "ERROR")]}
 

@@ -403,6 +403,10 @@ def test_decision_log_captures_lines_without_importing_the_shim():
     assert [d["outcome"] for d in got["decisions"]] == ["pass"]
     assert got["warnings"] == ["vetoed on every rank: rank 0 short"]
     assert log.since(log.mark()) == {"decisions": [], "warnings": []}
+    mark = log.mark()
+    logger.info("%s", NEW_LINE)
+    logger.info("fiws audit rank=0 audit=ok observed=3")
+    assert log.last_decision(mark)["audit"] == "ok"  # a later audit line fills audit=-
 
 
 # --------------------------------------------------------------------------- case p analysis
