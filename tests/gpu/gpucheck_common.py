@@ -26,6 +26,9 @@ import traceback
 MiB = 1 << 20
 PREFIX = "@@GPUCHECK "
 FAKE = os.environ.get("GPUCHECK_FAKE") == "1"
+# One-GPU profile: every rank on cuda:0 and a gloo WORLD (NCCL refuses two ranks on one GPU).
+SHARED_DEVICE = os.environ.get("GPUCHECK_SHARED_DEVICE") == "1"
+WORLD_BACKEND = os.environ.get("GPUCHECK_WORLD_BACKEND") or ""
 
 _rank = -1
 
@@ -80,6 +83,96 @@ class Call:
         return exc is not None and isinstance(exc, Exception)
 
 
+# --------------------------------------------------------------------------- the decision line
+
+DECISION_MARK = "fiws decision "
+_INT_FIELDS = ("rank", "pid", "plan_bytes", "free_bytes", "headroom_bytes")
+
+
+def parse_decision(text: str):
+    """The ``key=value`` pairs of a shim decision line, or None if ``text`` is not one.
+
+    Tolerant by design: fields may be added, dropped or reordered between releases of
+    the shim (``audit=``, ``headroom=``, ``answer=`` and ``caller=`` arrived later);
+    tokens without ``=`` are ignored; integers and ``elapsed_ms`` are converted."""
+    at = text.find(DECISION_MARK)
+    if at < 0:
+        return None
+    out = {}
+    for token in text[at + len(DECISION_MARK):].split():
+        key, sep, value = token.partition("=")
+        if not sep or not key:
+            continue
+        if key in _INT_FIELDS:
+            try:
+                value = int(value)
+            except ValueError:
+                pass
+        elif key.endswith("_ms"):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        out[key] = value
+    return out
+
+
+class DecisionLog:
+    """Keeps every record of the ``flashinfer_safe_workspace`` logger in this process
+    (without importing the package: a logger is looked up by name), so that a rank can
+    report the decision lines and warnings of each call it makes."""
+
+    def __init__(self):
+        import logging
+
+        self.lines: list = []  # (levelname, message)
+        log = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record):
+                try:
+                    log.lines.append((record.levelname, record.getMessage()))
+                except Exception:  # noqa: BLE001 - never disturb the host's logging
+                    pass
+
+        logger = logging.getLogger("flashinfer_safe_workspace")
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(_Handler(level=logging.DEBUG))
+
+    def mark(self) -> int:
+        return len(self.lines)
+
+    def since(self, mark: int) -> dict:
+        """The decision lines (parsed) and warnings logged after ``mark``."""
+        new = self.lines[mark:]
+        decisions = []
+        for _, m in new:
+            d = parse_decision(m)
+            if d is not None:
+                decisions.append(d)
+            elif " audit=" in m and decisions:  # an audit verdict logged on a line of its own
+                extra = parse_decision(DECISION_MARK + m[m.find(" audit=") + 1:]) or {}
+                if decisions[-1].get("audit") in (None, "-") and "audit" in extra:
+                    decisions[-1]["audit"] = extra["audit"]
+        return {"decisions": decisions,
+                "warnings": [m[:2000] for lvl, m in new if lvl in ("WARNING", "ERROR")]}
+
+    def last_decision(self, mark: int = 0):
+        found = self.since(mark)["decisions"]
+        return found[-1] if found else None
+
+
+_decision_log = None
+
+
+def decision_log() -> DecisionLog:
+    global _decision_log
+    if _decision_log is None:
+        _decision_log = DecisionLog()
+    return _decision_log
+
+
 # --------------------------------------------------------------------------- arguments
 
 
@@ -100,8 +193,14 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------- device
 
 
+def device_index(rank: int) -> int:
+    """cuda:r for rank r; cuda:0 for every rank in the one-GPU profile."""
+    return 0 if SHARED_DEVICE else rank
+
+
 class RealDevice:
-    """Rank r on cuda:r. Only cuMemGetInfo-style queries and the hog touch the driver."""
+    """Rank r on cuda:r (cuda:0 when shared). Only cuMemGetInfo-style queries and the hog
+    touch the driver."""
 
     fake = False
 
@@ -110,13 +209,15 @@ class RealDevice:
 
         self.torch = torch
         self.rank = rank
-        torch.cuda.set_device(rank)
+        self.index = device_index(rank)
+        self.shared = SHARED_DEVICE
+        torch.cuda.set_device(self.index)
         torch.cuda.init()
-        self.torch_device = torch.device("cuda", rank)
+        self.torch_device = torch.device("cuda", self.index)
         self._hog = None
 
     def free_total(self) -> tuple:
-        free, total = self.torch.cuda.mem_get_info(self.rank)
+        free, total = self.torch.cuda.mem_get_info(self.index)
         return int(free), int(total)
 
     def free(self) -> int:
@@ -124,11 +225,11 @@ class RealDevice:
 
     def torch_stats(self) -> dict:
         t = self.torch.cuda
-        return {"allocated": int(t.memory_allocated(self.rank)),
-                "reserved": int(t.memory_reserved(self.rank))}
+        return {"allocated": int(t.memory_allocated(self.index)),
+                "reserved": int(t.memory_reserved(self.index))}
 
     def sync(self) -> None:
-        self.torch.cuda.synchronize(self.rank)
+        self.torch.cuda.synchronize(self.index)
 
     def empty_cache(self) -> None:
         self.torch.cuda.empty_cache()
@@ -177,7 +278,7 @@ class Hog:
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location = drv.CUmemLocation()
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device.rank
+        prop.location.id = getattr(device, "index", device.rank)
         prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         prop.allocFlags.gpuDirectRDMACapable = 1
         self.prop = prop
@@ -244,7 +345,8 @@ class Group:
 
         self.dist = dist
         self.rank, self.size = args.rank, args.world_size
-        backend = "gloo" if device.fake else "nccl"
+        backend = "gloo" if device.fake else (WORLD_BACKEND or "nccl")
+        self.backend = backend
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.port}",
                                 rank=args.rank, world_size=args.world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -261,6 +363,9 @@ class Group:
         collectives FlashInfer uses (all_gather_object, broadcast_object_list, barrier),
         keeping the caching allocator's small blocks cached afterwards."""
         dist, torch = self.dist, sys.modules["torch"]
+        if self.backend != "nccl" and not self.device.fake:
+            emit("note", what="warm_nccl skipped: the world group is " + self.backend)
+            return
         x = torch.ones(1024, device=self.device.torch_device)
         dist.all_reduce(x)
         out = [None] * self.size
@@ -289,10 +394,12 @@ def unified_kwargs(shape: dict, rank: int, world_size: int) -> dict:
                 max_token_num=shape["T"], hidden_dim=shape["H"], dtype=dtype_of(shape["dtype"]))
 
 
-def legacy_kwargs(shape: dict, rank: int, world_size: int) -> dict:
+def legacy_kwargs(shape: dict, rank: int, world_size: int, symm_dev_mem: bool = True) -> dict:
+    """The legacy function's arguments; ``symm_dev_mem=False`` is its default path, which
+    in 0.6.16-0.7.4 allocates through torch symmetric memory (allocator C)."""
     return dict(tp_rank=rank, tp_size=world_size, max_token_num=shape["T"],
                 hidden_dim=shape["H"], use_fp32_lamport=shape["dtype"] == "float32",
-                create_metadata=True, use_symm_dev_mem=True)
+                create_metadata=True, use_symm_dev_mem=symm_dev_mem)
 
 
 def unwrap(fn):

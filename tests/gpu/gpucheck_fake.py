@@ -219,7 +219,7 @@ def _collective(obj):
     import torch.distributed as dist
 
     gpu = _device.gpu
-    if not gpu.nccl_warm:
+    if not gpu.nccl_warm and os.environ.get("GPUCHECK_WORLD_BACKEND") != "gloo":
         if gpu.free() < NCCL_INIT_BYTES:
             raise RuntimeError("fake DistBackendError: NCCL error in ncclCommInitRank: "
                                "Cuda failure 2 'out of memory'")
@@ -279,8 +279,11 @@ def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=Fa
     """0.7.4's trtllm_create_ipc_workspace_for_all_reduce_fusion, B4 path only."""
     from flashinfer.comm import mnnvl, trtllm_ar
 
-    if not use_symm_dev_mem or not create_metadata:
-        raise ValueError("the fake supports use_symm_dev_mem=True, create_metadata=True only")
+    if not create_metadata:
+        raise ValueError("the fake supports create_metadata=True only")
+    if not use_symm_dev_mem:
+        return _fake_legacy_torch_symm(tp_rank, tp_size, max_token_num, hidden_dim,
+                                       use_fp32_lamport)
     drv, cudart = mnnvl.cuda, trtllm_ar.cudart
     wide = 4 if use_fp32_lamport else 2
     buffer_size = tp_size * max_token_num * hidden_dim * wide
@@ -311,6 +314,63 @@ def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=Fa
                 "lamport_comm_size": lamport_comm, "lamport_buffer_size": 3 * lamport_comm,
                 "control_flag_ptr": 0}
     return ipc, None, list(refs), metadata
+
+
+def torch_signal_pad() -> int:
+    """The installed torch's symmetric-memory signal pad (what torch really adds)."""
+    try:
+        from torch.distributed import _symmetric_memory
+
+        return int(_symmetric_memory.get_signal_pad_size())
+    except Exception:  # noqa: BLE001 - a torch without the query
+        return SIGNAL_PAD
+
+
+class _FakeTorchSymm:
+    def __init__(self, hid):
+        self.hid = hid
+
+    def __del__(self):
+        try:
+            _device.gpu.release(self.hid)
+        except Exception:
+            pass
+
+
+def fake_alloc_symm_buffer_bytes(size_bytes, world_size, dtype, device, group_name):
+    """FlashInfer's ``_alloc_symm_buffer_bytes`` (torch symmetric memory): one buffer of
+    RU(size + torch's signal pad, granularity), then the rendezvous (a collective)."""
+    hid = _device.gpu.create(_ru(int(size_bytes) + torch_signal_pad(), GRAN))
+    if hid is None:
+        raise RuntimeError("CUDA out of memory (fake torch symmetric memory)")
+    handle = _FakeTorchSymm(hid)
+    _collective("rendezvous")
+    return [hid * 1000 + r for r in range(world_size)], None, handle
+
+
+def _fake_legacy_torch_symm(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport):
+    """0.7.4's legacy default path (allocator C): three torch symmetric-memory buffers,
+    each RU(RU(size, 16) + torch's signal pad, granularity), no FABRIC attempt."""
+    from flashinfer.comm import trtllm_ar
+
+    wide = 4 if use_fp32_lamport else 2
+    buffer_size = tp_size * max_token_num * hidden_dim * wide
+    flag_size = tp_size * 256 * 4
+    lamport_comm = min(tp_size * max_token_num * hidden_dim * wide, MAX_COMM_SIZE)
+    refs, ipc = [], []
+    for size in (buffer_size, flag_size, 3 * lamport_comm):
+        ptrs, tensor, handle = trtllm_ar._alloc_symm_buffer_bytes(_ru(size, 16), tp_size, None,
+                                                                  None, "0")
+        refs.append((tensor, handle))
+        ipc.append(ptrs)
+    trtllm_ar._symm_workspace_refs[id(ipc)] = refs
+    trtllm_ar.cudart.cudaMalloc(20)
+    _collective("barrier")
+    metadata = {"tp_rank": tp_rank, "tp_size": tp_size, "max_token_num": max_token_num,
+                "hidden_dim": hidden_dim, "use_fp32_lamport": use_fp32_lamport,
+                "buffer_size": buffer_size, "flag_size": flag_size,
+                "lamport_comm_size": lamport_comm, "lamport_buffer_size": 3 * lamport_comm}
+    return ipc, None, metadata
 
 
 def _legacy_body(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=False,
@@ -356,6 +416,7 @@ def activate(device) -> None:
     mnnvl.cuda = FakeDriver(device.gpu)
     trtllm_ar.cudart = FakeCudart(device.gpu)
     trtllm_ar.trtllm_lamport_initialize = lambda *a, **k: None
+    trtllm_ar._alloc_symm_buffer_bytes = fake_alloc_symm_buffer_bytes
     # FlashInfer's own legacy function object gets the fake's code, so that every binding
     # (flashinfer.comm, .allreduce, .trtllm_ar; wrapped by the shim or not) and the real
     # TRTLLMAllReduceFusionWorkspace -> legacy call path run unchanged around it.

@@ -20,6 +20,7 @@ from gpucheck_common import (  # noqa: E402
     Group,
     MiB,
     collect,
+    decision_log,
     emit,
     exc_info,
     finish,
@@ -55,6 +56,7 @@ def shim_install(**overrides):
 
     import flashinfer.comm  # noqa: F401  (wrapped on import)
 
+    decision_log()  # after install(): debug=True attaches its stderr handler first
     emit("shim", installed=fiws.is_installed(), version=fiws.__version__,
          file=fiws.__file__, settings=dataclasses.asdict(_config.current()))
     settle()
@@ -112,9 +114,13 @@ def legacy_function():
 
 
 def plan_for(entry: str, fn, kwargs: dict):
-    """The shim's own plan for this call, exactly as _decide builds it."""
+    """The shim's own plan for this call, built as its decision builds it.
+
+    Tries the runtime-facts API (``_facts.runtime_facts`` + ``rules.plan_for``) first and
+    falls back to the older one (``prober.facts`` + ``_plan.make_plan``), so the harness
+    runs on the code before and after that change."""
     import flashinfer
-    from flashinfer_safe_workspace import _decide, _plan, _probe
+    from flashinfer_safe_workspace import _decide, _probe
 
     if os.environ.get("GPUCHECK_FAKE") == "1":
         import gpucheck_fake
@@ -122,8 +128,21 @@ def plan_for(entry: str, fn, kwargs: dict):
         gpucheck_fake.install_prober()
     req, _ = _decide.build_request(entry, unwrap(fn), (), kwargs)
     cc = _decide._confidential_compute() if entry == _decide.UNIFIED else False
-    facts = _probe.get_prober().facts(None, cc, req.world_size)
-    return _plan.make_plan(req, facts, flashinfer.__version__)
+    prober = _probe.get_prober()
+    try:
+        from flashinfer_safe_workspace import _facts
+
+        facts = _facts.runtime_facts(prober, confidential_compute=cc, world_size=req.world_size)
+    except ImportError:
+        facts = prober.facts(None, cc, req.world_size)
+    try:
+        from flashinfer_safe_workspace import rules
+
+        return rules.plan_for(req, facts, flashinfer.__version__)
+    except ImportError:
+        from flashinfer_safe_workspace import _plan
+
+        return _plan.make_plan(req, facts, flashinfer.__version__)
 
 
 def describe(result) -> str:
@@ -134,22 +153,49 @@ def describe(result) -> str:
     return type(result).__name__
 
 
+_report_mark = [0]
+
+
 def last_report():
+    """What the shim decided in the latest call since ``clear_report()``: the fields of
+    its decision line (``vote`` is yes for outcome=pass), over the older in-process
+    ``_decide.last_report`` where that still exists (it has probe_ms and vote_ms)."""
     from flashinfer_safe_workspace import _decide
 
-    return dict(_decide.last_report)
+    out = dict(getattr(_decide, "last_report", None) or {})
+    line = decision_log().last_decision(_report_mark[0])
+    if line is not None:
+        outcome = str(line.get("outcome", ""))
+        if outcome == "veto-cached":  # answered from the veto cache: no vote
+            out["cached"] = True
+        elif not out.get("vote"):
+            out["vote"] = "yes" if outcome == "pass" else ("no" if outcome == "veto" else None)
+        for key in ("plan_bytes", "free_bytes", "headroom_bytes", "elapsed_ms"):
+            if key in line and key not in out:
+                out[key] = line[key]
+        out["line"] = line
+    return out
 
 
 def clear_report():
     from flashinfer_safe_workspace import _decide
 
-    _decide.last_report.clear()
+    legacy = getattr(_decide, "last_report", None)
+    if isinstance(legacy, dict):
+        legacy.clear()
+    _report_mark[0] = decision_log().mark()
 
 
 def clear_veto_cache():
+    """Forget cached vetoes (``_decide.clear_cache``; ``uninstall()`` + ``install()`` where
+    that is gone), so the next call decides afresh."""
     from flashinfer_safe_workspace import _decide
 
-    _decide.clear_cache()
+    fn = getattr(_decide, "clear_cache", None)
+    if fn is not None:
+        fn()
+    elif _overrides is not None:
+        set_on_veto(__import__("flashinfer_safe_workspace"))
 
 
 def snapshot(dev, group, where: str, **extra) -> dict:
@@ -307,7 +353,7 @@ def case_b(args):
                  hog_left=left, leave_target=leave_mb * MiB if rank == starve else None)
         for mode in ("none", "raise"):
             set_on_veto(fiws, on_veto=mode, debug=True)
-            _decide.clear_cache()
+            clear_veto_cache()
             clear_report()
             group.barrier()
             outcome, veto, result = "?", None, None
@@ -371,37 +417,65 @@ def case_c(args):
 
 
 def case_d(args):
-    """Starve rank 0 to plan peak + headroom + delta; does the shim decide where the
-    plan says, and does FlashInfer succeed whenever it lets the call through? After a
-    veto, FlashInfer is called unprotected at the same leftover (false vetoes)."""
+    """Starve rank 0 to plan peak + headroom + delta (or plan peak + ``above_plan_mb``);
+    does the shim decide where the plan says, and does FlashInfer succeed whenever it
+    lets the call through? After a veto, FlashInfer is called unprotected at the same
+    leftover (false vetoes). ``nccl``: warm (default: module preloaded, NCCL warmed) or
+    cold (nothing before); ``group``: world (default) or gloo (FlashInfer's collectives on
+    a gloo group); ``headroom_mb`` None: the shim's default headroom."""
     p, rank, world = args.params, args.rank, args.world_size
     dev = make_device(rank)
     group = Group(args, dev)
-    headroom = int(p["headroom_mb"]) * MiB
-    fiws = shim_install(on_veto="none", headroom_mb=int(p["headroom_mb"]), debug=True)
+    headroom_mb = p.get("headroom_mb")
+    headroom = int(headroom_mb or 0) * MiB
+    if headroom_mb is None:
+        fiws = shim_install(on_veto="none", debug=True)
+    else:
+        fiws = shim_install(on_veto="none", headroom_mb=int(headroom_mb), debug=True)
     import flashinfer.comm as comm
 
     wrapped = comm.create_allreduce_fusion_workspace
     original = unwrap(wrapped)
-    with Call("warm-up: module + NCCL"):
-        dev.preload_flashinfer_module()
-        group.warm_nccl()
+    fi_group = None
+    if p.get("group") == "gloo":
+        import datetime
+
+        fi_group = group.dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=120))
+    if p.get("nccl", "warm") == "warm":
+        with Call("warm-up: module + NCCL"):
+            dev.preload_flashinfer_module()
+            group.warm_nccl()
+    emit("nccl_state", nccl=p.get("nccl", "warm"), warm=group.nccl_warm, group=p.get("group", "world"))
+
+    def kwargs_of(shape):
+        kw = unified_kwargs(shape, rank, world)
+        if fi_group is not None:
+            kw["group"] = fi_group
+        return kw
+
     if p["points"]:  # imports the plan's modules before the gc freeze
-        plan_for("unified", wrapped, unified_kwargs(p["points"][0]["shape"], rank, world))
+        plan_for("unified", wrapped, kwargs_of(p["points"][0]["shape"]))
     settle()
     starve = p["starve_rank"]
     for point in p["points"]:
-        idx, shape, delta = point["idx"], point["shape"], int(point["delta_mb"])
-        kw = unified_kwargs(shape, rank, world)
+        idx, shape = point["idx"], point["shape"]
+        delta = int(point.get("delta_mb") or 0)
+        kw = kwargs_of(shape)
         plan = plan_for("unified", wrapped, kw)
         need = plan.peak_bytes + headroom
-        leave = need + delta * MiB
+        if point.get("above_plan_mb") is not None:
+            leave = plan.peak_bytes + int(point["above_plan_mb"]) * MiB
+        else:
+            leave = need + delta * MiB
         left = dev.hog().set(leave) if rank == starve else None
         snap = snapshot(dev, group, f"point{idx}_before", idx=idx)
-        emit("point_start", idx=idx, shape=shape, delta_mb=delta, plan_peak=plan.peak_bytes,
+        emit("point_start", idx=idx, shape=shape, delta_mb=delta,
+             above_plan_mb=point.get("above_plan_mb"), plan_peak=plan.peak_bytes,
              plan_cumemcreate=sum(a.bytes for a in plan.allocations
                                   if a.held and a.api == "cuMemCreate"),
-             headroom=headroom, need=need, leave_target=leave if rank == starve else None,
+             headroom=headroom if headroom_mb is not None else None,
+             need=need if headroom_mb is not None else None,
+             leave_target=leave if rank == starve else None,
              hog_left=left, free_before=snap["free"], starved=rank == starve)
         clear_report()
         clear_veto_cache()  # a veto is cached per arguments: every point votes afresh
@@ -443,7 +517,41 @@ def case_d(args):
         snapshot(dev, group, f"point{idx}_after", idx=idx)
         emit("point_done", idx=idx)
     del fiws
-    finish(group)
+    finish(group, linger=bool(p.get("linger")))
+
+
+# --------------------------------------------------------------------------- k: cold NCCL, no shim
+
+
+def case_k(args):
+    """FlashInfer 0.7.4 alone, NCCL WORLD initialised without device_id and no collective
+    before: rank ``starve_rank`` left with plan peak + ``above_plan_mb`` MiB. Created on
+    both, raised, or blocked (the parent bounds it). The shim is imported for its plan
+    only, never installed."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    import flashinfer.comm as comm
+
+    fn = unwrap(comm.create_allreduce_fusion_workspace)
+    kw = unified_kwargs(p["shape"], rank, world)
+    plan = plan_for("unified", fn, kw)
+    settle()
+    emit("shim_state", wrapped=bool(getattr(comm.create_allreduce_fusion_workspace,
+                                            "_self_flashinfer_safe_workspace", False)),
+         env={k: v for k, v in os.environ.items() if k.startswith("FLASHINFER_SAFE_WORKSPACE")})
+    starve = p["starve_rank"]
+    leave = plan.peak_bytes + int(p["above_plan_mb"]) * MiB
+    left = dev.hog().set(leave) if rank == starve else None
+    snap = snapshot(dev, group, "before_call", starved=rank == starve, hog_left=left)
+    emit("cold_point", above_plan_mb=p["above_plan_mb"], plan_peak=plan.peak_bytes,
+         free_before=snap["free"], starved=rank == starve, nccl_warm=group.nccl_warm)
+    ws = None
+    with Call("create", unprotected=True) as c:
+        ws = fn(**kw)
+        c.result_note = describe(ws)
+    emit("outcome", created=ws is not None, seconds=c.seconds, error=c.error)
+    finish(None, linger=True, barrier=False)
 
 
 # --------------------------------------------------------------------------- e: plan truth
@@ -585,10 +693,11 @@ def case_e(args):
         name, entry, shape = item["name"], item["entry"], item["shape"]
         if entry == "unified":
             fn, kw = unwrap(comm.create_allreduce_fusion_workspace), unified_kwargs(shape, rank, world)
-        else:
-            fn, kw = legacy_function(), legacy_kwargs(shape, rank, world)
+        else:  # "legacy": use_symm_dev_mem=True; "legacy-c": the default path (torch symm mem)
+            fn, kw = legacy_function(), legacy_kwargs(shape, rank, world,
+                                                      symm_dev_mem=entry != "legacy-c")
         try:
-            plan = plan_for(entry, fn, kw)
+            plan = plan_for("unified" if entry == "unified" else "legacy", fn, kw)
             plan_json = plan.to_json() if hasattr(plan, "to_json") else {"passthrough": repr(plan)}
         except Exception as exc:  # noqa: BLE001 - recorded, the creation still runs
             plan_json = {"error": exc_info(exc)}
@@ -616,6 +725,87 @@ def case_e(args):
         released = snapshot(dev, group, f"{name}_released", shape_name=name)
         emit("plan_truth_release", name=name, free_after_release=released["free"])
     finish(group)
+
+
+# --------------------------------------------------------------------------- n: allocator C
+
+
+def case_n(args):
+    """Allocator C (torch symmetric memory, FlashInfer 0.7.4's legacy default path):
+    free memory around each creation, and around each of its three buffers allocated
+    alone through FlashInfer's own ``_alloc_symm_buffer_bytes`` (same sizes and dtypes),
+    next to the plan's per-buffer bytes."""
+    p, rank, world = args.params, args.rank, args.world_size
+    dev = make_device(rank)
+    group = Group(args, dev)
+    import torch
+    import flashinfer.comm  # noqa: F401
+    from flashinfer.comm import trtllm_ar
+
+    fn = legacy_function()
+    with Call("warm-up: module + NCCL"):
+        dev.preload_flashinfer_module()
+        group.warm_nccl()
+    group_name = torch.distributed.group.WORLD.group_name
+    keep = None
+    with Call("warm-up: one small symmetric buffer") as c:  # torch's first-use costs
+        keep = trtllm_ar._alloc_symm_buffer_bytes(16, world, torch.int32, dev.torch_device,
+                                                  group_name)
+    settle()
+    for item in p["shapes"]:
+        name, shape = item["name"], item["shape"]
+        kw = legacy_kwargs(shape, rank, world, symm_dev_mem=False)
+        try:
+            plan_json = plan_for("legacy", fn, kw).to_json()
+        except Exception as exc:  # noqa: BLE001
+            plan_json = {"error": exc_info(exc)}
+        before = snapshot(dev, group, f"{name}_before")
+        ws = None
+        with Call(f"create {name}") as c:
+            ws = fn(**kw)
+        after = snapshot(dev, group, f"{name}_after")
+        meta = ws[-1] if isinstance(ws, tuple) else {}
+        if ws is not None:
+            dev.sync()
+            group.barrier()
+            release_workspace(ws)
+            ws = None
+        released = snapshot(dev, group, f"{name}_released")
+        lamport_dtype = torch.float32 if shape["dtype"] == "float32" else torch.float16
+        buffers = []
+        for label, size, dtype in (("buffer", meta.get("buffer_size"), torch.float32),
+                                   ("flag", meta.get("flag_size"), torch.int32),
+                                   ("lamport", meta.get("lamport_buffer_size"), lamport_dtype)):
+            if not isinstance(size, int):
+                continue
+            b = snapshot(dev, group, f"{name}_{label}_before")
+            ref = None
+            with Call(f"{name}: {label} alone") as c2:
+                ref = trtllm_ar._alloc_symm_buffer_bytes(-(-size // 16) * 16, world, dtype,
+                                                         dev.torch_device, group_name)
+            a = snapshot(dev, group, f"{name}_{label}_after")
+            buffers.append({"label": label, "size": size, "free_delta": b["free"] - a["free"],
+                            "error": c2.error})
+            del ref
+            collect()
+        emit("alloc_c", name=name, shape=shape, plan=plan_json, error=c.error,
+             seconds=c.seconds, metadata={k: v for k, v in meta.items()
+                                          if isinstance(v, (int, bool, str))},
+             free_before=before["free"], free_after=after["free"],
+             free_released=released["free"], buffers=buffers,
+             torch_reserved_delta=after["reserved"] - before["reserved"],
+             signal_pad=_signal_pad())
+    del keep
+    finish(group)
+
+
+def _signal_pad():
+    try:
+        from torch.distributed import _symmetric_memory
+
+        return int(_symmetric_memory.get_signal_pad_size())
+    except Exception as exc:  # noqa: BLE001
+        return f"unavailable: {type(exc).__name__}"
 
 
 # --------------------------------------------------------------------------- f: no leak
@@ -739,7 +929,7 @@ def case_g(args):
     snapshot(dev, group, "veto_before", hog_left=left)
     vrows = []
     for i in range(int(p["n_veto"])):
-        _decide.clear_cache()
+        clear_veto_cache()
         row = one(wrapped, f"veto#{i}")
         row.update(i=i)
         vrows.append(row)
@@ -750,7 +940,7 @@ def case_g(args):
 
 
 CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f,
-         "g": case_g}
+         "g": case_g, "k": case_k, "n": case_n}
 
 if __name__ == "__main__":
     run_main(CASES)

@@ -36,17 +36,41 @@ def _gpu_count() -> int:
 
 GPUS = _gpu_count()
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 2, reason=f"needs two CUDA GPUs (found {GPUS}); on the GPU "
-                                         "host run scripts/gpu-check or pytest tests/gpu -m gpu"),
-]
+pytestmark = [pytest.mark.gpu]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs two CUDA GPUs (found {GPUS}); on the GPU "
+                                               "host run scripts/gpu-check or pytest tests/gpu -m gpu")
+one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; on the GPU host run "
+                                              "scripts/gpu-check --one-gpu")
 
 
 @pytest.fixture(scope="module")
 def ctx():
     lines = []
     return gcc.Ctx(deadline=time.monotonic() + 3600, log=lines.append)
+
+
+@pytest.fixture(scope="module")
+def shared_ctx():
+    """Two ranks on cuda:0 over a gloo WORLD (the one-GPU profile)."""
+    lines = []
+    c = gcc.Ctx(deadline=time.monotonic() + 3600, log=lines.append, shared_device=True)
+    yield c
+    c.cleanup()
+
+
+@one_gpu
+def test_p_protocol_through_the_pth_on_one_gpu(shared_ctx):
+    """ON_VETO none / raise / auto from plain and engine-named callers: the same answer on
+    every rank within 50 ms, 0 bytes left by a veto."""
+    result = gcc.run_case("p", shared_ctx)
+    assert result["status"] == "pass", _explain(result)
+
+
+@one_gpu
+def test_q_audit_ok_and_tails_on_one_gpu(shared_ctx):
+    """audit=ok for four new shapes; first-creation and later tails measured."""
+    result = gcc.run_case("q", shared_ctx)
+    assert result["status"] == "pass", _explain(result)
 
 
 def _explain(result: dict) -> str:
@@ -61,6 +85,7 @@ def _explain(result: dict) -> str:
     return "\n".join(out)
 
 
+@two_gpus
 def test_a_positive_workspace_and_fused_allreduce_are_correct(ctx):
     """Shim on, room on both ranks: a real trtllm workspace; kAllReduce and
     kARResidualRMSNorm agree with float64 within bf16 rounding."""
@@ -68,6 +93,7 @@ def test_a_positive_workspace_and_fused_allreduce_are_correct(ctx):
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_h_pth_activation_with_only_the_environment_variable(ctx):
     """Installed wheel + FLASHINFER_SAFE_WORKSPACE=1, no import of the shim in the
     script: FlashInfer's functions come wrapped; room -> workspace, starved -> None."""
@@ -75,12 +101,14 @@ def test_h_pth_activation_with_only_the_environment_variable(ctx):
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_b_starved_rank_gets_none_or_workspacevetoed_on_every_rank(ctx):
     """Cold and warm NCCL: None (default) and WorkspaceVetoed (raise) on every rank."""
     result = gcc.run_case("b", ctx)
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_c_flashinfer_alone_is_recorded_within_the_bound(ctx):
     """No shim: FlashInfer 0.7.4's own behaviour (hang with cold NCCL, exception with
     warm NCCL) is recorded, each run bounded at 60 s. The 'before' column."""
@@ -88,6 +116,7 @@ def test_c_flashinfer_alone_is_recorded_within_the_bound(ctx):
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_e_recorded_allocations_equal_the_plan(ctx):
     """Every cuMemCreate (size, handle type, FABRIC attempt), cuMemAlloc and cudaMalloc
     FlashInfer makes equals the plan, for six shapes and both entry points."""
@@ -95,18 +124,21 @@ def test_e_recorded_allocations_equal_the_plan(ctx):
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_f_no_leak(ctx):
     """A vetoed call leaves free memory unchanged; create + full release returns it."""
     result = gcc.run_case("f", ctx)
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_g_overhead_is_measured(ctx):
     """>= 20 creations each with the shim on and off, and >= 20 vetoed calls."""
     result = gcc.run_case("g", ctx)
     assert result["status"] == "pass", _explain(result)
 
 
+@two_gpus
 def test_d_boundary_sweep_has_no_false_pass(ctx):
     """Around plan peak + headroom (headroom 0): whenever the shim lets the call
     through, FlashInfer succeeds; every rank gets the same decision."""

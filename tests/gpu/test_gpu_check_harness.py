@@ -363,3 +363,323 @@ def test_shim_off_unwraps_every_binding_including_from_imports():
                        text=True, timeout=120, env={k: v for k, v in os.environ.items()
                                                     if not k.startswith("FLASHINFER_SAFE")})
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- decision line
+
+import gpucheck_common  # noqa: E402
+
+NEW_LINE = ("[flashinfer_safe_workspace pid=4242] INFO fiws decision rank=0 pid=4242 outcome=veto "
+            "entry=unified backend=trtllm ranks=0,1 device=cuda:0 plan_bytes=140509308 "
+            "free_bytes=610271232 headroom_bytes=536870912 headroom=nccl-cold probe=no "
+            "answer=raise caller=sglang.srt.layers.flashinfer_comm_fusion audit=- elapsed_ms=7.4")
+OLD_LINE = ("fiws decision rank=1 pid=7 outcome=pass entry=legacy backend=trtllm ranks=0,1 "
+            "device=- plan_bytes=-1 free_bytes=-1 probe=ok elapsed_ms=0.3")
+
+
+def test_parse_decision_new_and_old_lines():
+    new = gpucheck_common.parse_decision(NEW_LINE)
+    assert new["outcome"] == "veto" and new["answer"] == "raise" and new["audit"] == "-"
+    assert new["headroom"] == "nccl-cold" and new["headroom_bytes"] == 536870912
+    assert new["plan_bytes"] == 140509308 and new["elapsed_ms"] == 7.4 and new["rank"] == 0
+    assert new["caller"] == "sglang.srt.layers.flashinfer_comm_fusion" and new["ranks"] == "0,1"
+    old = gpucheck_common.parse_decision(OLD_LINE)
+    assert old["outcome"] == "pass" and old["free_bytes"] == -1 and "audit" not in old
+    # extra fields, missing fields, odd tokens: still parsed, never raises
+    odd = gpucheck_common.parse_decision("fiws decision outcome=pass junk new_field=x= audit=ok rank=-")
+    assert odd == {"outcome": "pass", "new_field": "x=", "audit": "ok", "rank": "-"}
+    assert gpucheck_common.parse_decision("vetoed FlashInfer all-reduce workspace creation") is None
+
+
+def test_decision_log_captures_lines_without_importing_the_shim():
+    import logging
+
+    log = gpucheck_common.DecisionLog()
+    mark = log.mark()
+    logger = logging.getLogger("flashinfer_safe_workspace")
+    logger.info("%s", OLD_LINE)
+    logger.warning("vetoed on every rank: rank 0 short")
+    got = log.since(mark)
+    assert [d["outcome"] for d in got["decisions"]] == ["pass"]
+    assert got["warnings"] == ["vetoed on every rank: rank 0 short"]
+    assert log.since(log.mark()) == {"decisions": [], "warnings": []}
+    mark = log.mark()
+    logger.info("%s", NEW_LINE)
+    logger.info("fiws audit rank=0 audit=ok observed=3")
+    assert log.last_decision(mark)["audit"] == "ok"  # a later audit line fills audit=-
+
+
+# --------------------------------------------------------------------------- case p analysis
+
+
+@pytest.mark.parametrize("mode,caller,want", [
+    ("none", "plain", "None"), ("none", "sglang", "None"), ("raise", "plain", gcc.VETOED),
+    ("auto", "plain", "None"), ("auto", "sglang", gcc.VETOED), ("auto", "vllm", gcc.VETOED)])
+def test_expected_answer(mode, caller, want):
+    assert gcc.expected_answer(mode, caller) == want
+
+
+def _protocol_run(steps, *, outcome, delta=0, lag=0.004, line=None):
+    ranks = []
+    for r in range(2):
+        evs = [{"ev": "activation", "fiws_imported_at_start": True, "unified_wrapped": True,
+                "fiws_file": "/site-packages/flashinfer_safe_workspace/__init__.py"}]
+        for i, step in enumerate(steps):
+            got = outcome(step, r) if callable(outcome) else outcome
+            start = 100.0 + i + (0.010 if r else 0.0)  # rank 1 arrives 10 ms later
+            evs.append({"ev": "step", "i": i, "outcome": got, "seconds": 0.01,
+                        "wall_start": start, "wall_end": 100.0 + i + 0.010 + lag,
+                        "free_before": 1000, "free_after": 1000 - (delta if step["starve"] else 0),
+                        "reserved_before": 0, "reserved_after": 0, "starved": r == 0,
+                        "decisions": [line(step) if line else
+                                      {"outcome": "veto" if step["starve"] else "pass"}]})
+        ranks.append({"rank": r, "events": evs, "done": True, "killed": False,
+                      "returncode": 0, "stderr_tail": []})
+    return {"ranks": ranks, "hang": None}
+
+
+def _want(mode):
+    return lambda step, r: (gcc.expected_answer(mode, step["caller"]) if step["starve"]
+                            else "created")
+
+
+@pytest.mark.parametrize("mode", ["none", "raise", "auto"])
+def test_analyse_protocol_passes_a_correct_run(mode):
+    steps = gcc.protocol_steps(mode)
+    rows, checks = gcc.analyse_protocol(mode, steps, _protocol_run(steps, outcome=_want(mode)),
+                                        gcc.Ctx())
+    assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    assert len(rows) == 2 * len(steps)
+    assert any("50 ms" in c["name"] for c in checks) and any("0 bytes" in c["name"] for c in checks)
+
+
+def test_analyse_protocol_catches_wrong_answers_leaks_lag_and_answer_fields():
+    steps = gcc.protocol_steps("auto")
+    ctx = gcc.Ctx()
+    failed = lambda run: {c["name"] for c in gcc.analyse_protocol("auto", steps, run, ctx)[1]  # noqa: E731
+                          if not c["ok"]}
+    # auto unknown to the shim: None everywhere instead of WorkspaceVetoed for the engines
+    bad = failed(_protocol_run(steps, outcome=lambda s, r: "None" if s["starve"] else "created"))
+    assert any("sglang caller" in n and "WorkspaceVetoed" in n for n in bad)
+    assert any("vllm caller" in n for n in bad) and not any("plain" in n for n in bad)
+    # one rank answered differently
+    bad = failed(_protocol_run(steps, outcome=lambda s, r: "None" if r == 1 and s["starve"]
+                               else _want("auto")(s, r)))
+    assert any("sglang caller" in n for n in bad)
+    assert any("0 bytes" in n for n in failed(_protocol_run(steps, outcome=_want("auto"), delta=2 << 20)))
+    assert any("50 ms" in n for n in failed(_protocol_run(steps, outcome=_want("auto"), lag=0.2)))
+    wrong = lambda s: {"outcome": "veto" if s["starve"] else "pass", "answer": "none"}  # noqa: E731
+    assert any("answer=raise" in n for n in failed(_protocol_run(steps, outcome=_want("auto"),
+                                                                 line=wrong)))
+
+
+def test_audit_shapes_are_used_nowhere_else_in_the_repository():
+    """The audit must run on shapes the plan was never checked on elsewhere."""
+    import re
+
+    pairs = {(sh["T"], sh["H"]) for _, sh in gcc.AUDIT_SHAPES}
+    assert len(pairs) == 4
+    hits = []
+    for base, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "gpu")]
+        for name in names:
+            if not name.endswith((".py", ".md")):
+                continue
+            with open(os.path.join(base, name), errors="replace") as fh:
+                text = fh.read()
+            for t, h in pairs:
+                if re.search(rf"\b{t}\b", text) and re.search(rf"\b{h}\b", text):
+                    hits.append((name, t, h))
+    assert not hits, hits
+
+
+# --------------------------------------------------------------------------- q, k, l analysis
+
+
+def test_tails_divide_a_shared_device_by_its_ranks():
+    rows = [{"name": "s", "first": True, "plan_bytes": 100 * MiB, "free_delta": 2 * 110 * MiB},
+            {"name": "s", "first": False, "plan_bytes": 100 * MiB, "free_delta": 2 * 102 * MiB},
+            {"name": "s", "first": False, "plan_bytes": -1, "free_delta": 0}]  # no plan: skipped
+    shared = gcc.analyse_tails([dict(r) for r in rows], gcc.Ctx(shared_device=True))
+    assert shared["s"]["first"] == [10 * MiB] and shared["s"]["later"] == [2 * MiB]
+    alone = gcc.analyse_tails([dict(r) for r in rows], gcc.Ctx())
+    assert alone["s"]["first"] == [120 * MiB]
+
+
+def test_bracket_finds_the_cold_need():
+    pts = {32: {"verdict": "hung"}, 128: {"verdict": "raised"}, 256: {"verdict": "created"},
+           512: {"verdict": "created"}}
+    assert gcc.bracket(pts) == (128, 256)
+    assert gcc.bracket({64: {"verdict": "created"}}) == (None, 64)
+    assert gcc.bracket({64: {"verdict": "hung"}}) == (64, None)
+
+
+def test_margins_false_veto_and_lower_bound():
+    rows = [{"above_plan_mb": 100, "shim": "vetoed", "unprotected": "blocked", "verdict": "veto, FlashInfer alone blocked"},
+            {"above_plan_mb": 300, "shim": "vetoed", "unprotected": "created", "verdict": "false veto: FlashInfer alone succeeded"},
+            {"above_plan_mb": 520, "shim": "created", "unprotected": None, "verdict": "pass, FlashInfer succeeded"}]
+    m = gcc.margins(rows)
+    assert m["false_veto_margin_mb"] == 220 and m["largest_false_veto_mb"] == 300
+    m = gcc.margins(rows[:2])
+    assert "false_veto_margin_mb" not in m and m["false_veto_margin_at_least_mb"] == 0
+
+
+# --------------------------------------------------------------------------- wheel and commit
+
+
+def _gpu_check_module():
+    from importlib.machinery import SourceFileLoader
+
+    loader = SourceFileLoader("gpu_check_script", SCRIPT)
+    spec = importlib.util.spec_from_loader("gpu_check_script", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_wheel_check_compares_every_file_with_the_tree():
+    gc_script = _gpu_check_module()
+    tree = gc_script.tree_files()
+    assert "__init__.py" in tree and "_decide.py" in tree
+    env = {"installed_package": {"dir": "/site/flashinfer_safe_workspace", "files": dict(tree)}}
+    assert gc_script.wheel_check(env)["ok"]
+    changed = dict(tree, **{"_decide.py": "0" * 64})
+    w = gc_script.wheel_check({"installed_package": {"dir": "/site/x", "files": changed}})
+    assert not w["ok"] and w["differ"] == ["_decide.py"]
+    w = gc_script.wheel_check({"installed_package": {"dir": gcc.TREE_PACKAGE, "files": dict(tree)}})
+    assert not w["ok"] and w["imported_from_tree"]
+    assert not gc_script.wheel_check({"installed_package": "unavailable: ImportError"})["ok"]
+
+
+def test_profiles_name_only_known_cases_and_one_gpu_leaves_out_two_gpu_cases():
+    known = {k for k, *_ in gcc.CASES}
+    assert all(set(v) <= known for v in gcc.PROFILES.values())
+    assert not {"a", "b", "c", "d", "k", "l", "n"} & set(gcc.PROFILES["one"])
+    assert {"p", "q"} <= set(gcc.PROFILES["one"]) and {"p", "k", "l", "n"} <= set(gcc.PROFILES["two"])
+
+
+def test_rank_env_one_gpu_and_safe_path():
+    env = gcc.rank_env(gcc.Ctx(shared_device=True))
+    assert env["GPUCHECK_SHARED_DEVICE"] == "1" and env["GPUCHECK_WORLD_BACKEND"] == "gloo"
+    assert env["PYTHONSAFEPATH"] == "1"
+    env = gcc.rank_env(gcc.Ctx())
+    assert "GPUCHECK_SHARED_DEVICE" not in env and env["PYTHONSAFEPATH"] == "1"
+    ctx = gcc.Ctx()
+    assert not os.path.abspath(ctx.workdir()).startswith(ROOT + os.sep)
+    assert os.path.isfile(os.path.join(ctx.workdir(), "callers", "sglang", "fiws_probe_caller.py"))
+    folder = ctx.workdir()
+    ctx.cleanup()
+    assert not os.path.exists(folder)
+
+
+def test_dry_run_one_gpu_lists_its_cases():
+    p = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--one-gpu"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "case p:" in p.stdout and "case q:" in p.stdout and "case d:" not in p.stdout
+    assert "budget 360 s" in p.stdout
+
+
+# --------------------------------------------------------------------------- report with older runs
+
+
+def test_report_keeps_older_cases_marked_with_their_commit():
+    new = gpu_report.sample_results()
+    new.update(profile="one", profile_name="one-GPU", commit={"commit": "abcdef0123", "source": "git"},
+               order=["a"])
+    old = gpu_report.sample_results()
+    old.pop("profile", None)
+    old["commit_label"] = "6673930"
+    old["cases"]["g"] = dict(old["cases"]["c"], status="pass", summary="old overhead")
+    text = gpu_report.render(new, (old,))
+    assert "one-GPU, at commit abcdef0" in text
+    assert "*Earlier run: two-GPU at commit 6673930; not re-run at this commit.*" in text
+    assert text.count("## a. ") == 1  # the new run's a replaces the old one
+    summary = gpu_report.summary_table(new)
+    assert summary.startswith("case")
+    assert "Other evidence from the two-GPU host (commit 6673930)" in text
+
+
+def test_report_cli_with_older_file(tmp_path):
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    new.write_text(json.dumps(dict(gpu_report.sample_results(), profile="one")))
+    old.write_text(json.dumps(gpu_report.sample_results()))
+    out = tmp_path / "report.md"
+    assert gpu_report.main([str(new), str(old), "--older-commit", "6673930", "-o", str(out)]) == 0
+    assert "commit 6673930" in out.read_text()
+
+
+# --------------------------------------------------------------------------- fake end to end, new cases
+
+def _auto_known() -> bool:
+    return importlib.util.find_spec("flashinfer_safe_workspace._caller") is not None
+
+
+@needs_flashinfer
+def test_fake_one_gpu_protocol_and_audit_cases(tmp_path):
+    """p (three modes through the .pth, engine-named callers) and q (two shapes) against
+    the fakes: none and raise answer as asked on every rank, a veto leaves 0 bytes, the
+    ranks answer within 50 ms; auto passes once the installed shim knows it."""
+    out = tmp_path / "out"
+    shapes = [{"name": n, "shape": sh} for n, sh in gcc.AUDIT_SHAPES[:2]]
+    p = subprocess.run([sys.executable, SCRIPT, "--fake", "--one-gpu", "--cases", "p,q",
+                        "--budget", "300", "--out", str(out),
+                        "--override", json.dumps({"q": {"shapes": shapes}})],
+                       capture_output=True, text=True, timeout=400)
+    res = json.loads((out / "results.json").read_text())
+    assert res["profile"] == "one" and res["wheel"]["ok"], (res.get("wheel"), p.stdout[-2000:])
+    pc = res["cases"]["p"]
+    by_name = {c["name"]: c for c in pc["checks"]}
+    for name, c in by_name.items():
+        if name.startswith(("none", "raise")) or "0 bytes" in name or "50 ms" in name:
+            assert c["ok"], (name, c["detail"], p.stdout[-3000:])
+    if _auto_known():
+        assert pc["status"] == "pass", [c for c in pc["checks"] if not c["ok"]]
+    else:  # before ON_VETO=auto exists: the engines' calls get None, and the check says so
+        assert pc["status"] == "fail"
+        assert all("rank 0: None" in c["detail"] for c in pc["checks"]
+                   if not c["ok"] and "caller" in c["name"])
+    q = res["cases"]["q"]
+    rows = q["data"]["rows"]
+    assert len(rows) == 2 * 3 * 2 and all(r["outcome"] == "created" for r in rows)
+    tails = q["data"]["tails"]
+    assert set(tails) == {s["name"] for s in shapes}
+    assert all(t["first"] and t["later"] for t in tails.values())
+    audit_check = next(c for c in q["checks"] if c["name"].startswith("audit=ok"))
+    assert audit_check["ok"] == all(r["audit"] == "ok" for r in rows)
+    report = (out / "report.md").read_text()
+    assert "## p. " in report and "## q. " in report and "one-GPU" in report
+
+
+@needs_flashinfer
+def test_fake_two_gpu_cold_boundary_shim_margin_and_allocator_c(tmp_path):
+    """k finds the fakes' NCCL start-up need (300 MiB above the plan) between two points,
+    killing the hung ones; l runs the shim across it with no false pass; n compares
+    torch's real signal pad rounding with the plan, buffer by buffer."""
+    out = tmp_path / "out"
+    over = {"k": {"coarse_mb": [128, 512], "fine_steps": 2},
+            "l": {"variants": ["nccl-cold"], "points_nccl-cold": [256, 516]}}
+    p = subprocess.run([sys.executable, SCRIPT, "--fake", "--two-gpu", "--cases", "k,l,n",
+                        "--cold-hang-bound", "5", "--budget", "400", "--out", str(out),
+                        "--override", json.dumps(over)],
+                       capture_output=True, text=True, timeout=500)
+    res = json.loads((out / "results.json").read_text())
+    k = res["cases"]["k"]
+    assert k["status"] == "pass", (k["summary"], p.stdout[-3000:])
+    assert k["data"]["lo_mb"] < 300 <= k["data"]["hi_mb"], k["data"]
+    assert any(pt["verdict"] == "hung" for pt in k["data"]["points"])
+    l_ = res["cases"]["l"]
+    verdicts = {pt["above_plan_mb"]: pt["verdict"] for pt in l_["data"]["points"]}
+    assert verdicts[516] == "pass, FlashInfer succeeded", (verdicts, p.stdout[-3000:])
+    assert verdicts[256].startswith("veto"), verdicts
+    assert not any(c["name"].startswith("no false pass") and not c["ok"] for c in l_["checks"])
+    n = res["cases"]["n"]
+    rows = n["data"]["rows"]
+    assert len(rows) == 4 and all(r["measured_buffers"] for r in rows)
+    pad = rows[0]["signal_pad"]
+    # ws 2 T34 H5120: lamport 3 x 696320 B; + pad 9216 crosses 2 MiB (+2048 would not)
+    bf16 = next(r for r in rows if "T34" in r["name"])
+    assert bf16["measured_buffers"][2] == (4 * MiB if pad == 9216 else 2 * MiB)
+    match = next(c for c in n["checks"] if c["name"].startswith("each torch"))
+    assert match["ok"] == all(r["planned_buffers"] == r["measured_buffers"] for r in rows)
+    assert "## k. " in (out / "report.md").read_text()
