@@ -126,15 +126,17 @@ def plan_for(entry: str, fn, kwargs: dict):
         import gpucheck_fake
 
         gpucheck_fake.install_prober()
-    req, _ = _decide.build_request(entry, unwrap(fn), (), kwargs)
-    cc = _decide._confidential_compute() if entry == _decide.UNIFIED else False
+    from flashinfer_safe_workspace import _request
+
+    req, _ = _request.build(entry, unwrap(fn), (), kwargs)
+    cc = _request._confidential_compute() if entry == _request.UNIFIED else False
     prober = _probe.get_prober()
     try:
         from flashinfer_safe_workspace import _facts
 
         facts = _facts.runtime_facts(prober, confidential_compute=cc, world_size=req.world_size)
     except ImportError:
-        facts = prober.facts(None, cc, req.world_size)
+        facts = _request.facts_for(req, None)
     try:
         from flashinfer_safe_workspace import rules
 
