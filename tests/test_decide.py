@@ -15,13 +15,12 @@ def test_all_fit_calls_flashinfer_once_on_every_rank():
         rank_lib.setup(free_mb=None)
         outcome, secs, err = rank_lib.create(rank=RANK)
         result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
-        from flashinfer_safe_workspace import _decide
-        result.update(report=_decide.last_report)
+        result.update(report=rank_lib.last_decision())
     """)
     for r in results(runs):
         assert r["outcome"] == "created", r
         assert r["calls"] == 1
-        assert r["report"]["vote"] == "yes" and r["report"]["ranks"] == [0, 1]
+        assert r["report"]["outcome"] == "pass" and r["report"]["ranks"] == [0, 1]
         assert r["secs"] < BOUND_S
 
 
@@ -83,8 +82,7 @@ def test_subgroup_of_four_votes_without_the_other_ranks():
             need = rank_lib.need_mb()
             rank_lib.setup(free_mb=need - 10 if RANK == 1 else None)
             outcome, secs, err = rank_lib.create(rank=RANK, group=sub)
-            from flashinfer_safe_workspace import _decide
-            result.update(outcome=outcome, secs=secs, ranks=_decide.last_report["ranks"])
+            result.update(outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
         else:
             time.sleep(3)  # busy, never joins
             result.update(outcome="busy")
@@ -98,7 +96,6 @@ def test_subgroup_of_four_votes_without_the_other_ranks():
 def test_veto_is_cached_without_a_new_collective():
     runs = run_ranks(2, """
         import rank_lib
-        from flashinfer_safe_workspace import _decide
         need = rank_lib.need_mb()
         dev = rank_lib.setup(free_mb=need - 2 if RANK == 0 else None)
         first = rank_lib.create(rank=RANK)
@@ -116,32 +113,39 @@ def test_veto_is_cached_without_a_new_collective():
 
 
 def test_comm_backend_group_is_used_for_the_vote():
-    """vLLM/LightLLM pass comm_backend=TorchDistBackend(group): vote over that group."""
-    runs = run_ranks(2, """
+    """vLLM/LightLLM pass comm_backend=TorchDistBackend(group): the ranks that decide are that
+    group's, not WORLD's (ranks 2 and 3 of a 4-rank world create over [2, 3]; 0 and 1 never
+    call, so a vote over WORLD would time out)."""
+    runs = run_ranks(4, """
         import rank_lib
         from flashinfer.comm.comm_backend import TorchDistBackend
         import torch.distributed as dist
-        g = dist.new_group([0, 1], backend="gloo")
-        need = rank_lib.need_mb()
-        rank_lib.setup(free_mb=need - 2 if RANK == 1 else None)
-        outcome, secs, err = rank_lib.create(rank=RANK, comm_backend=TorchDistBackend(g))
-        from flashinfer_safe_workspace import _decide
-        result.update(outcome=outcome, ranks=_decide.last_report["ranks"])
-    """)
+        g = dist.new_group([2, 3], backend="gloo")
+        if RANK >= 2:
+            need = rank_lib.need_mb()
+            rank_lib.setup(free_mb=need - 2 if RANK == 3 else None, vote_timeout=20)
+            outcome, secs, err = rank_lib.create(rank=RANK - 2, comm_backend=TorchDistBackend(g))
+            result.update(outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
+        else:
+            result.update(outcome="idle", secs=0.0, ranks=None)
+    """, timeout=120)
     rs = results(runs)
-    assert [r["outcome"] for r in rs] == ["none", "none"]
+    assert [r["outcome"] for r in rs[2:]] == ["none", "none"]
+    assert rs[2]["ranks"] == rs[3]["ranks"] == [2, 3]
+    assert rs[2]["secs"] < 5 and rs[3]["secs"] < 5
 
 
-def test_world_size_one_does_not_vote_even_in_a_larger_world():
-    """A per-rank workspace (world_size=1) in a 2-rank world: no collective, no waiting for
+def test_world_size_one_on_a_group_of_one_decides_alone():
+    """A per-rank workspace over a group of one (world_size=1): no round, no waiting for
     the rank that never calls."""
     runs = run_ranks(2, """
         import rank_lib
-        from flashinfer_safe_workspace import _decide
+        import torch.distributed as dist
+        solo = dist.new_group([0], backend="gloo")
         if RANK == 0:
             rank_lib.setup(free_mb=None, vote_timeout=30)
-            outcome, secs, err = rank_lib.create(rank=0, world_size=1)
-            result.update(outcome=outcome, secs=secs, ranks=_decide.last_report["ranks"])
+            outcome, secs, err = rank_lib.create(rank=0, world_size=1, group=solo)
+            result.update(outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
         else:
             result.update(outcome="idle", secs=0.0)
     """)

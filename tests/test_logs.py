@@ -1,5 +1,5 @@
 """The grep-able decision line: one INFO line per fresh decision, parsed by the
-documented regex ``flashinfer_safe_workspace._doctor.DECISION_LINE``.
+documented regex ``flashinfer_safe_workspace._log.DECISION_LINE``.
 
 Real processes (one rank alone, then two ranks voting over a real gloo group); the
 SimulatedDevice stands in for the GPU. Every wait is bounded.
@@ -14,7 +14,11 @@ import subprocess
 import sys
 import textwrap
 
-from flashinfer_safe_workspace._doctor import DECISION_LINE, parse_decision_lines
+from pathlib import Path
+
+from flashinfer_safe_workspace._log import DECISION_FIELDS, DECISION_LINE, parse_decision_lines
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 TIMEOUT = 180
 MiB = 1 << 20
@@ -47,17 +51,28 @@ def _env():
     return env
 
 
-def test_regex_matches_the_documented_example():
-    line = ("fiws decision rank=3 pid=4242 outcome=veto entry=unified backend=trtllm "
-            "ranks=0,1,2,3 device=cuda:3 plan_bytes=543162454 free_bytes=-1 probe=no "
-            "elapsed_ms=12.5")
+def _readme_example() -> str:
+    """The decision line the README documents (its Logs section), read from the README."""
+    lines = [l.strip() for l in README.read_text().splitlines()
+             if l.strip().startswith("fiws decision ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_regex_matches_the_readme_example():
+    line = _readme_example()
     (d,) = parse_decision_lines("INFO flashinfer_safe_workspace " + line)
-    assert d == {"rank": 3, "pid": 4242, "outcome": "veto", "entry": "unified",
-                 "backend": "trtllm", "ranks": [0, 1, 2, 3], "device": "cuda:3",
-                 "plan_bytes": 543162454,
-                 "free_bytes": -1, "probe": "no", "elapsed_ms": 12.5}
+    assert list(d) == list(DECISION_FIELDS)  # every documented field, in the documented order
+    assert d["rank"] == 0 and d["ranks"] == [0, 1] and d["outcome"] == "veto"
+    assert d["answer"] == "raise" and d["caller"].startswith("sglang.")
+    assert d["headroom"] == "nccl-cold" and d["headroom_bytes"] == 512 << 20
+    assert isinstance(d["elapsed_ms"], float) and isinstance(d["plan_bytes"], int)
     assert DECISION_LINE.search(line.replace("outcome=veto", "outcome=maybe")) is None
     assert DECISION_LINE.search(line + " extra=1") is None  # a new field needs a new regex
+    # the README names every field in its field list too
+    text = README.read_text()
+    for name in DECISION_FIELDS:
+        assert f"`{name}`" in text, name
 
 
 def test_one_line_per_decision_single_rank():
@@ -78,11 +93,13 @@ def test_one_line_per_decision_single_rank():
 
     raw = [l for l in proc.stderr.splitlines() if "fiws decision" in l]
     lines = parse_decision_lines(proc.stderr)
-    assert len(raw) == len(lines) == 2, proc.stderr[-2000:]  # every line parses
+    assert len(raw) == len(lines) == 2, proc.stderr[-2000:]  # every line parses (the
+    # cached veto logs at DEBUG, the pass-through logs nothing)
     assert all(l.startswith("INFO flashinfer_safe_workspace ") for l in raw)
     veto, passed = lines
-    assert veto["outcome"] == "veto" and veto["probe"] == "no"
-    assert passed["outcome"] == "pass" and passed["probe"] == "ok"
+    assert veto["outcome"] == "veto" and veto["probe"] == "no" and veto["answer"] == "none"
+    assert passed["outcome"] == "pass" and passed["probe"] == "ok" and passed["answer"] == "create"
+    assert passed["audit"] == "raised"  # FlashInfer itself raised (no CUDA here)
     for d in lines:
         assert d["pid"] == result["pid"]
         assert d["rank"] is None  # torch.distributed not initialised: rank=-

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import flashinfer.comm as comm
 import flashinfer.comm.allreduce as ar
 import flashinfer_safe_workspace as fiws
-from flashinfer_safe_workspace import _probe
+from flashinfer_safe_workspace import _log, _probe
 
 NO_CUDA = "Torch not compiled with CUDA enabled"
 
@@ -102,7 +102,8 @@ def test_rejected_arguments_pass_through_unchanged(shim, backend, world_size, ra
     assert wrapped == plain
 
 
-def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatch):
+def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatch, caplog):
+    caplog.set_level("INFO", logger="flashinfer_safe_workspace")
     """FlashInfer asks for the multicast granularity of the exact object it creates; the
     answer depends on the size. The plan (and so the probe) must use the same answer."""
     from flashinfer_safe_workspace import _decide
@@ -123,7 +124,8 @@ def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatc
     # ws=1, T=2048, H=4096, bf16: buf = two-shot 32 MiB; 3*buf + 2048 B pad rounded to 2 MiB
     assert asked == [98 << 20]
     # ... then rounded to the 512 MiB the driver gives for that size, plus a few small tails
-    assert (512 << 20) <= _decide.last_report["plan_bytes"] < (512 << 20) + 1024
+    (line,) = _log.parse_decision_lines(caplog.text)
+    assert (512 << 20) <= line["plan_bytes"] < (512 << 20) + 1024
 
 
 def test_no_process_group_passes_flashinfers_own_error_through():
