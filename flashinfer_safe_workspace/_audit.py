@@ -268,12 +268,15 @@ class Audit:
     # ------------------------------------------------------------------ records
 
     def _on_create(self, args, kwargs, result) -> None:
-        if not _succeeded(result):
-            return
         size = args[0] if args else kwargs.get("size")
         prop = args[1] if len(args) > 1 else kwargs.get("prop")
         seen = Seen("cuMemCreate", int(size), handle_type=_handle_type(prop))
         self.seen.append(seen)
+        if not _succeeded(result):
+            # a refused attempt (0.7.4 tries FABRIC first and falls back to POSIX fds when
+            # the handle cannot be made): the plan lists it as a transient of the same size
+            seen.held = False
+            return
         self._handles[_key(result[1])] = seen
 
     def _on_release(self, args, kwargs, result) -> None:
