@@ -160,8 +160,9 @@ def _warn_unknown(name: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else ""
+    tails = {var.name[len(PREFIX):]: var.name for var in VARIABLES}  # compare what differs
+    close = difflib.get_close_matches(name[len(PREFIX):], list(tails), n=1, cutoff=0.6)
+    hint = f"; did you mean {tails[close[0]]}?" if close else ""
     _log.warning("flashinfer_safe_workspace: unknown variable %s is ignored%s", name, hint)
 
 

@@ -138,7 +138,8 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         return Decision("call", f"FlashInfer {version} not mirrored; pass-through (unprotected)")
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
-    lock = _vote.set_lock(_vote.members_key(members.ranks)) if members.kind != "local" else None
+    lock = (_vote.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+            if members.kind != "local" else None)
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
         info = _explain.local(f"another thread of this process was still deciding for ranks "
                               f"{list(members.ranks)} when the vote timeout ran out")
@@ -176,17 +177,17 @@ def _decide_round(decision, req, bound, ident, version, members, settings, deadl
         rnd.abort_now("interrupted")
         raise
     decision.elapsed_ms = (time.perf_counter() - start) * 1000
-    own = _own_candidate(record, outcome)
-    if own is not None and own.get("s") == "pass":  # FlashInfer rejects this rank's call
-        decision.action, decision.reason = "call", own.get("n", "pass-through")
-        decision.logged = False
+    if outcome.register.get("o") == _vote.PASS:  # every rank: FlashInfer rejects it itself
+        decision.action, decision.logged = "call", False
+        decision.reason = "FlashInfer rejects these arguments on every rank"
         return decision
     if outcome.commit:
         decision.action, decision.reason = "call", "every rank voted yes"
         return decision
     info = _explain.veto(outcome, members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
-    _remember(wkey, fast, info)
+    if not outcome.in_doubt:  # a decided register: the same answer on every rank
+        _remember(wkey, fast, info)
     return decision
 
 
@@ -212,18 +213,6 @@ def _round_for(members, ident, deadline, settings, args=None):
         return _vote.AllgatherRound(members.comm, members.size, members.me, ident, deadline,
                                     members.label)
     return _vote.LocalRound(members.label)
-
-
-def _own_candidate(record, outcome) -> Optional[dict]:
-    if record is None:
-        return None
-    cands = record.get("c", {})
-    chosen = outcome.verdict.candidate if outcome.verdict is not None else ""
-    if chosen in cands:
-        return cands[chosen]
-    if len(cands) == 1:
-        return next(iter(cands.values()))
-    return None
 
 
 def _warn_version(version, settings):

@@ -60,7 +60,7 @@ def veto(outcome: "_vote.Outcome", members, plan, record: Optional[dict]) -> Vet
     head = f"FlashInfer all-reduce workspace not created on any of ranks {ranks}{need}: "
     verdict, records = outcome.verdict, outcome.records
     details, named, reasons = [], [], set()
-    if verdict is not None and records:
+    if verdict is not None and records and not verdict.commit:
         def rank_of(pos):
             r = records[pos]
             return r.get("rank", ranks[pos] if pos < len(ranks) else pos) if isinstance(r, dict) else pos

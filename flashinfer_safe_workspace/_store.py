@@ -35,13 +35,15 @@ class StoreTimeout(RuntimeError):
 
 
 class _Op:
-    __slots__ = ("fn", "done", "value", "error")
+    __slots__ = ("fn", "done", "value", "error", "started", "cancelled")
 
     def __init__(self, fn: Callable[[Any], Any]):
         self.fn = fn
         self.done = threading.Event()
         self.value = None
         self.error: Optional[BaseException] = None
+        self.started = False
+        self.cancelled = False  # the caller gave up before it started: never run it
 
 
 class StoreLine:
@@ -62,6 +64,10 @@ class StoreLine:
                 while not self._queue:
                     self._wake.wait()
                 op = self._queue.popleft()
+                if op.cancelled:
+                    op.done.set()
+                    continue
+                op.started = True
             self.busy_since = time.monotonic()
             try:
                 if self._store is None:
@@ -90,11 +96,17 @@ class StoreLine:
     def call(self, fn: Callable[[Any], Any], deadline: float):
         """Run ``fn(store)`` on the worker; wait until it is done or ``deadline`` (monotonic)."""
         op = self.submit(fn)
-        while not op.done.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreTimeout("the c10d store did not answer in time")
-            op.done.wait(min(left, SLICE_S))
+        try:
+            while not op.done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreTimeout("the c10d store did not answer in time")
+                op.done.wait(min(left, SLICE_S))
+        except BaseException:
+            with self._wake:  # given up (deadline, Ctrl-C): an op not yet started never runs
+                if not op.started:
+                    op.cancelled = True
+            raise
         if op.error is not None:
             raise op.error
         return op.value

@@ -64,7 +64,8 @@ REASON_TEXT = {
     DRIVER_ERROR: "a CUDA driver query failed",
 }
 
-COMMIT, ABORT = "commit", "abort"
+COMMIT, ABORT, PASS = "commit", "abort", "pass"  # PASS: every rank calls FlashInfer, which
+# rejects the arguments itself (the same call on every rank, so the same error)
 GRACE_S = 1.5  # store operations may end this long after the deadline (the bound is T + 2 s)
 
 
@@ -84,6 +85,7 @@ class Verdict:
     passing: tuple = ()  # positions whose FlashInfer call rejects the arguments itself
     mismatch: tuple = ()  # (field, {value: [positions]}) pairs
     plan_mismatch: tuple = ()  # positions whose plan digest differs
+    all_pass: bool = False  # every rank's FlashInfer call rejects the arguments itself
 
 
 def resolve(records: list) -> Verdict:
@@ -110,8 +112,11 @@ def resolve(records: list) -> Verdict:
                                              "n": f"no {cand} candidate"} for r in records]
     passing = tuple(i for i, s in enumerate(states) if s.get("s") == "pass")
     no = tuple(i for i, s in enumerate(states) if s.get("s") not in ("ok", "pass"))
+    if passing and len(passing) == len(states):  # every rank: FlashInfer rejects it itself
+        return Verdict(False, "FlashInfer rejects these arguments on every rank", cand,
+                       passing=passing, all_pass=True)
     if no or passing:
-        why = "a rank said no" if no else "FlashInfer rejects the arguments"
+        why = "a rank said no" if no else "FlashInfer rejects the arguments on some ranks only"
         return Verdict(False, why, cand, no, passing)
     digests = [s.get("d") for s in states]
     common = max(set(digests), key=digests.count)
@@ -190,7 +195,9 @@ class LocalRound:
     def vote(self, record: dict) -> Outcome:
         start = time.monotonic()
         verdict = resolve([record])
-        return Outcome(verdict.commit, verdict, [record], elapsed_s=time.monotonic() - start)
+        return Outcome(verdict.commit, verdict, [record],
+                       register={"o": PASS} if verdict.all_pass else {},
+                       elapsed_s=time.monotonic() - start)
 
     def abort_now(self, why: str) -> None:
         pass
@@ -249,7 +256,7 @@ class StoreRound:
             if raw is None:
                 break
             reg = _loads(raw)
-            if reg.get("o") != COMMIT:  # an abort of this very call: follow it
+            if reg.get("o") != COMMIT:  # an abort (or all-pass) of this very call: follow it
                 self._consume()
                 out = Outcome(False, register=reg, followed=True, key=self._k(),
                               missing=f"decided before this rank arrived: {reg.get('why', 'abort')}",
@@ -288,6 +295,30 @@ class StoreRound:
             self._finish()
             out.elapsed_s = time.monotonic() - start
             return out
+        try:
+            self._wait(out, record, keys, reg_key, start)
+        except _store.StoreTimeout:
+            # the deadline passed inside a store operation (this rank was stopped, or the
+            # store was slow): one last bounded try, so that a commit is never missed
+            reg = self._final(f"rank {self.rank} reached its deadline")
+            if reg is None:
+                raise
+            out.commit, out.register = reg.get("o") == COMMIT, reg
+        self._finish()
+        out.elapsed_s = time.monotonic() - start
+        return out
+
+    def _final(self, why: str) -> Optional[dict]:
+        reg_key = self._k("reg")
+        value = json.dumps({"o": ABORT, "by": self.rank, "why": str(why)[:500]})
+        try:
+            raw = self.line.call(lambda s: s.compare_set(reg_key, "", value),
+                                 time.monotonic() + 0.5)
+        except _store.StoreTimeout:
+            return None
+        return _loads(raw)
+
+    def _wait(self, out, record, keys, reg_key, start) -> None:
         pause, polls, noted = 0.0002, 0, []
         while True:
             polls += 1
@@ -306,7 +337,9 @@ class StoreRound:
             if all_in:
                 out.records = self._records(keys)
                 out.verdict = resolve(out.records)
-                wanted = COMMIT if out.verdict.commit and time.monotonic() < self.deadline else ABORT
+                wanted = COMMIT if out.verdict.commit else (PASS if out.verdict.all_pass else ABORT)
+                if wanted != ABORT and time.monotonic() >= self.deadline:
+                    wanted = ABORT
                 reg = self._write(wanted, out.verdict.why)
                 out.commit, out.register = reg.get("o") == COMMIT, reg
                 break
@@ -333,9 +366,6 @@ class StoreRound:
                 break
             time.sleep(min(pause, max(self.deadline - time.monotonic(), 0)))
             pause = min(pause * 2, 0.005)
-        self._finish()
-        out.elapsed_s = time.monotonic() - start
-        return out
 
     def _mismatches(self, record, abort_theirs: bool) -> tuple:
         """Peers whose board shows a call newer than the last one we saw, at another round:
@@ -361,13 +391,20 @@ class StoreRound:
         for rank, b in zip(peers, boards):
             if not b or b.get("g", 0) <= seen.get(rank, 0) or b.get("k") == self.round_name:
                 continue
+            ident, _, c = str(b.get("k")).rpartition("/")
+            with _meta:
+                behind_us = _counters.get((self.mkey, ident), 0) > int(c or 0)
+            if behind_us:  # a round this rank already finished: old news, not a mismatch
+                with _meta:
+                    marks = _seen.setdefault(self.mkey, {})
+                    marks[rank] = max(marks.get(rank, 0), b.get("g", 0))
+                continue
             pseudo = {"m": MAGIC, "rank": rank, "id": "other", "args": b.get("a", {}), "c": {}}
             if b.get("s") != "wait":
                 finished.append(pseudo)
                 continue
             waiting.append(pseudo)
             if abort_theirs:
-                ident, _, c = str(b.get("k")).rpartition("/")
                 their = "/".join(["fiws", self.mkey, ident, c, "reg"])
                 note = json.dumps({"o": ABORT, "by": self.rank, "why": "ranks called with "
                                    "different arguments", "mismatch": [
@@ -454,9 +491,15 @@ class StoreRound:
 
 
 def _is_yes(record: dict) -> bool:
+    """Whether this record can still be part of a commit (or of an all-pass): such a rank
+    waits for every record; any other rank decides abort at once."""
     cands = record.get("c", {})
-    return bool(cands) and all(c.get("s") == "ok" for c in cands.values()) or (
-        bool(record.get("auto")) and any(c.get("s") == "ok" for c in cands.values()))
+    if not cands:
+        return False
+    states = [c.get("s") for c in cands.values()]
+    if record.get("auto"):
+        return any(s in ("ok", "pass") for s in states)
+    return all(s in ("ok", "pass") for s in states)
 
 
 def _loads(raw) -> dict:
@@ -498,7 +541,7 @@ class AllgatherRound:
         if got is None and why.startswith("!"):  # blocked or failed: no second exchange
             return Outcome(False, missing=why[1:], elapsed_s=time.monotonic() - start)
         verdict = resolve(got) if got is not None else None
-        mine = bool(verdict is not None and verdict.commit)
+        mine = bool(verdict is not None and (verdict.commit or verdict.all_pass))
         second, why2 = self._gather({"m": MAGIC, "ok": mine, "why": why})
         if second is None:
             return Outcome(False, verdict, got or [], missing=why2.lstrip("!"),
@@ -507,13 +550,15 @@ class AllgatherRound:
                     for r in second)
         missing = "" if every else (why or "a rank rejected the exchange: " + "; ".join(
             str(r.get("why")) for r in second if isinstance(r, dict) and r.get("why")))
-        return Outcome(every and mine, verdict, got or [], missing=missing if not every else "",
-                       elapsed_s=time.monotonic() - start)
+        passing = every and mine and not verdict.commit
+        return Outcome(every and mine and verdict.commit, verdict, got or [],
+                       register={"o": PASS} if passing else {},
+                       missing=missing if not every else "", elapsed_s=time.monotonic() - start)
 
     def _gather(self, obj):
         """(records, "") or (None, why); why starts with "!" when no second exchange can run."""
         key = id(self.comm)
-        old = _blocked.get(key)
+        old = _blocked.get(key, (None, None))[1]
         if old is not None and old.is_alive():
             return None, (f"!an earlier vote on {self.label} is still blocked in its allgather; "
                           "not voting again on it")
@@ -530,7 +575,7 @@ class AllgatherRound:
         while thread.is_alive() and time.monotonic() < self.deadline:
             thread.join(min(_store.SLICE_S, max(self.deadline - time.monotonic(), 0.001)))
         if thread.is_alive():
-            _blocked[key] = thread
+            _blocked[key] = (self.comm, thread)  # holding the comm: its id stays its own
             return None, f"!{self.label}: allgather did not complete in time"
         if "error" in box:
             return None, (f"!{self.label}: allgather failed: {type(box['error']).__name__}: "

@@ -33,8 +33,13 @@ def test_boolean_grammar(raw, expected, warns, caplog):
 @pytest.mark.parametrize("name,raw,field,expected", [
     ("HEADROOM_MB", "256", "headroom_mb", 256),
     ("HEADROOM_MB", "0", "headroom_mb", 0),
-    ("HEADROOM_MB", "-5", "headroom_mb", 512),
-    ("HEADROOM_MB", "1.5", "headroom_mb", 512),
+    ("HEADROOM_MB", "-5", "headroom_mb", "auto"),
+    ("HEADROOM_MB", "1.5", "headroom_mb", "auto"),
+    ("HEADROOM_MB", "AUTO", "headroom_mb", "auto"),
+    ("HEADROOM_MB", "2000000", "headroom_mb", "auto"),  # over 1 TiB: out of range
+    ("VOTE_TIMEOUT", "1e14", "vote_timeout", 120.0),  # over a day: out of range
+    ("VOTE_TIMEOUT", "86400", "vote_timeout", 86400.0),
+    ("CREATE_TIMEOUT", "100000", "create_timeout", 0.0),
     ("VOTE_TIMEOUT", "2.5", "vote_timeout", 2.5),
     ("VOTE_TIMEOUT", "abc", "vote_timeout", 120.0),
     ("VOTE_TIMEOUT", "0", "vote_timeout", 120.0),
@@ -76,10 +81,27 @@ def test_overrides_win_and_are_validated():
         _config.read_settings({}, no_such_setting=1)
 
 
-def test_defaults_match_settings_dataclass():
-    defaults = _config.Settings()
-    for var in _config.VARIABLES:
-        assert getattr(defaults, var.field) == var.default, var.name
+def test_settings_are_built_from_the_table():
+    """One source: every field and default of Settings comes from VARIABLES."""
+    import dataclasses
+
+    fields = {f.name: f.default for f in dataclasses.fields(_config.Settings)}
+    assert fields == {var.field: var.default for var in _config.VARIABLES}
+    assert _config.Settings(headroom_mb=256).headroom_bytes == 256 << 20
+    assert _config.Settings().headroom_bytes is None  # auto: resolved per call
+
+
+def test_unknown_variable_warns_once_with_the_closest_name(caplog):
+    caplog.set_level(logging.WARNING, logger="flashinfer_safe_workspace")
+    _config._warned.clear()
+    env = {"FLASHINFER_SAFE_WORKSPACE_ON_VET0": "raise", "FLASHINFER_SAFE_WORKSPACE_ZZZ": "1"}
+    for _ in range(3):
+        settings = _config.read_settings(env)
+    assert settings.on_veto == "auto"  # the typo is not read as ON_VETO
+    texts = [r.getMessage() for r in caplog.records]
+    assert len(texts) == 2, texts
+    assert any("ON_VET0" in m and "did you mean FLASHINFER_SAFE_WORKSPACE_ON_VETO" in m for m in texts)
+    assert any("_ZZZ" in m and "did you mean" not in m for m in texts)
 
 
 def test_only_config_reads_the_environment():

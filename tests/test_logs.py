@@ -114,9 +114,15 @@ RANK = PRELUDE + textwrap.dedent("""
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             init_method=f"tcp://127.0.0.1:{port}")
-    _probe.set_prober(_probe.SimulatedDevice(256 * MiB if rank == 1 else 80 << 30))
+    # rank 1 cannot hold the plan (about 70 MiB) plus the gloo group's small headroom (64 MiB)
+    _probe.set_prober(_probe.SimulatedDevice(100 * MiB if rank == 1 else 80 << 30))
     out = create(world_size=2, rank=rank)
     print(json.dumps({"pid": os.getpid(), "out": out}), flush=True)
+    import datetime
+    store = dist.distributed_c10d._get_default_store()  # rank 0 hosts it: wait for rank 1
+    store.set(f"done/{rank}", "1")
+    if rank == 0:
+        store.wait(["done/0", "done/1"], datetime.timedelta(seconds=30))
     os._exit(0)
 """)
 
@@ -152,4 +158,5 @@ def test_two_ranks_each_log_their_own_line(tmp_path):
         assert d["ranks"] == [0, 1]
         assert d["outcome"] == "veto"  # the same outcome on every rank
         assert d["probe"] == ("no" if rank == 1 else "ok")  # but each rank's own probe
-        assert d["free_bytes"] == (256 * MiB if rank == 1 else 80 << 30)
+        assert d["free_bytes"] == (100 * MiB if rank == 1 else 80 << 30)
+        assert d["headroom"] == "gloo" and d["headroom_bytes"] == 64 * MiB
