@@ -66,7 +66,8 @@ REASON_TEXT = {
 
 COMMIT, ABORT, PASS = "commit", "abort", "pass"  # PASS: every rank calls FlashInfer, which
 # rejects the arguments itself (the same call on every rank, so the same error)
-GRACE_S = 1.5  # store operations may end this long after the deadline (the bound is T + 2 s)
+GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
+# register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
 
 
 def digest(obj: Any) -> str:
@@ -313,7 +314,7 @@ class StoreRound:
         value = json.dumps({"o": ABORT, "by": self.rank, "why": str(why)[:500]})
         try:
             raw = self.line.call(lambda s: s.compare_set(reg_key, "", value),
-                                 time.monotonic() + 0.5)
+                                 time.monotonic() + 0.4)
         except _store.StoreTimeout:
             return None
         return _loads(raw)
@@ -485,7 +486,7 @@ class StoreRound:
             return
         reg_key = self._k("reg")
         value = json.dumps({"o": ABORT, "by": self.rank, "why": str(why)[:500]})
-        self.line.submit(lambda s: s.compare_set(reg_key, "", value)).done.wait(0.3)
+        self.line.submit(lambda s: s.compare_set(reg_key, "", value)).done.wait(0.2)
         self._consume()
         self._finish()
 
