@@ -13,7 +13,8 @@ from typing import Callable, Optional
 
 from . import _config, _probe, _vote
 from ._log import internal_error, logger, rank_tag
-from ._plan import Facts, MiB, PassThrough, Plan, Request, Unplanned, make_plan
+from ._plan import Facts, MiB, PassThrough, Plan, Request, Unplanned
+from .rules import plan_for as make_plan
 
 UNIFIED = "unified"
 LEGACY = "legacy"
@@ -275,7 +276,7 @@ def _left(deadline: float) -> float:
 
 def _plan(req, version, channel, settings, numbers, deadline):
     """(ok, plan | PassThrough | None, reason code, note): everything up to the probe."""
-    from . import _releases
+    from . import rules as _releases
 
     plan = None
     try:

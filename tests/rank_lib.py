@@ -42,11 +42,11 @@ def setup(free_mb=None, *, device=None, **overrides):
 def need_mb(world_size=2, max_token_num=2048, hidden_dim=4096, dtype="bfloat16", headroom_mb=None):
     """plan peak + headroom in MiB for the installed FlashInfer (trtllm, simulated facts)."""
     import flashinfer
-    from flashinfer_safe_workspace import _config, _plan, _probe
+    from flashinfer_safe_workspace import _config, _plan, _probe, rules
 
     req = _plan.Request("unified", "trtllm", world_size, 0, max_token_num, hidden_dim, dtype)
     facts = _probe.SimulatedDevice(1 << 40).facts(None, False, world_size)
-    plan = _plan.make_plan(req, facts, flashinfer.__version__)
+    plan = rules.plan_for(req, facts, flashinfer.__version__)
     head = _config.current().headroom_mb if headroom_mb is None else headroom_mb
     return plan.peak_bytes / MiB + head
 

@@ -1,8 +1,7 @@
 """Plan types: size-aware multicast granularity, digest, JSON shape."""
 
-from flashinfer_safe_workspace._plan import Facts, Request, make_plan
-
-MiB = 1 << 20
+from flashinfer_safe_workspace._plan import MiB, Facts, Request
+from flashinfer_safe_workspace.rules import plan_for as make_plan
 
 
 def _rule(size):  # the driver's answer on H200: small objects 2 MiB, larger ones 512 MiB

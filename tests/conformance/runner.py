@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned, make_plan
+from flashinfer_safe_workspace import _facts, rules
+from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned
 
 from .standins import Case, FakeComm, Recorder, cutedsl_device
 
@@ -191,7 +192,10 @@ def _case_and_facts(spec: Spec) -> tuple:
         confidential_compute=bool(opts.get("cc")),
         current_device=case.current_device,
         device_count=case.device_count,
-        torch_signal_pad=case.torch_signal_pad,
+        # the installed torch's pad, through the shim's own lookup (the stand-in of
+        # torch's allocator asks torch directly: standins.torch_signal_pad)
+        torch_signal_pad=(_facts.signal_pad()[0] if case.torch_signal_pad is None
+                          else case.torch_signal_pad),
         imex_channel=case.imex_channel,
         **({"compute_capability": tuple(spec.cc)} if spec.cc else {}),
     )
@@ -257,7 +261,7 @@ def run(flashinfer, rec: Recorder, spec: Spec, keep: list) -> Outcome:
     _set_confidential_compute(flashinfer, bool(opts.get("cc")))
     req, fn, kwargs = call_flashinfer(flashinfer, spec, case)
     try:
-        plan = make_plan(req, facts, flashinfer.__version__)
+        plan = rules.plan_for(req, facts, flashinfer.__version__)
     except Unplanned as exc:
         return Outcome(spec, "unplanned", str(exc))
     error = None

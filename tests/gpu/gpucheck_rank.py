@@ -114,7 +114,7 @@ def legacy_function():
 def plan_for(entry: str, fn, kwargs: dict):
     """The shim's own plan for this call, exactly as _decide builds it."""
     import flashinfer
-    from flashinfer_safe_workspace import _decide, _plan, _probe
+    from flashinfer_safe_workspace import _decide, _facts, _probe, rules
 
     if os.environ.get("GPUCHECK_FAKE") == "1":
         import gpucheck_fake
@@ -122,8 +122,9 @@ def plan_for(entry: str, fn, kwargs: dict):
         gpucheck_fake.install_prober()
     req, _ = _decide.build_request(entry, unwrap(fn), (), kwargs)
     cc = _decide._confidential_compute() if entry == _decide.UNIFIED else False
-    facts = _probe.get_prober().facts(None, cc, req.world_size)
-    return _plan.make_plan(req, facts, flashinfer.__version__)
+    facts = _facts.runtime_facts(_probe.get_prober(), confidential_compute=cc,
+                                 world_size=req.world_size)
+    return rules.plan_for(req, facts, flashinfer.__version__)
 
 
 def describe(result) -> str:
