@@ -90,8 +90,9 @@ def _print_table(rows, args) -> None:
         print(f"  rank {row['rank']} [{row['device_kind']}]: plan {row['plan_bytes'] / MiB:.1f} MiB"
               f" + headroom {row['headroom_bytes'] / MiB:.0f} MiB, free "
               + (f"{free / MiB:.1f} MiB" if free >= 0 else "-")
-              + f", probe {row['probe']}, vote over ranks {row['ranks']}: {row['vote']}"
-              f" ({row['elapsed_ms']:.1f} ms) -> {row['outcome']} in {row['decision_ms']:.1f} ms")
+              + f", probe {row['probe']}, vote of ranks {row['ranks']}: {row['vote']}"
+              f" (decision logged {row['elapsed_ms']:.1f} ms) -> {row['outcome']}"
+              f" in {row['decision_ms']:.1f} ms")
     reasons = {r.get("reason") for r in rows if r.get("reason")}
     for reason in sorted(reasons):
         print(f"  reason: {reason}")
@@ -158,8 +159,8 @@ def rank_main(args) -> int:
     row = {"rank": rank, "device_kind": kind, "outcome": outcome, "decision_ms": decision_ms,
            "headroom_bytes": settings.headroom_bytes, "reason": heard.veto or reason}
     line = heard.decision()
-    if line is not None:
-        row.update(line)
+    if line is not None:  # the decision line's fields; "outcome" stays what the call gave
+        row.update({k: v for k, v in line.items() if k != "outcome"})
         row["vote"] = "yes" if line["outcome"] == "pass" else "no"
     if hog is not None:
         hog.release()
