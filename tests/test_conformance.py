@@ -269,3 +269,19 @@ def test_a_stale_signal_pad_is_a_mismatch(recorder, monkeypatch):
     assert outcome.status == "mismatch" and "differ" in outcome.detail
     assert [a.bytes for a in outcome.plan.allocations if a.api == "cuMemCreate"] == [
         8 * MiB, 2 * MiB, 24 * MiB]
+
+
+def test_multicast_granularity_is_asked_per_object_size(recorder):
+    """Issue 11's example: 0.7.4 mnnvl, ws 4, T 777, H 1, fp16. FlashInfer asks the
+    driver's multicast granularity for the 2 MiB object itself: where the driver answers
+    by size (as H200's does) the buffer stays 2 MiB, as the shim's H200 rule plans."""
+    if not rules.traits(VERSION).unified:
+        pytest.skip("no mnnvl backend in 0.5.x")
+    rec, keep = recorder
+    sizes = {}
+    for facts_name in ("h200-per-size", "h200"):
+        spec = runner.Spec("mnnvl", 4, 1, 777, 1, "float16", facts_name)
+        outcome = runner.run(flashinfer, rec, spec, keep)
+        assert outcome.status == "match", outcome.detail
+        sizes[facts_name] = [r.bytes for r in outcome.captured if r.api == "cuMemCreate"]
+    assert sizes == {"h200-per-size": [2 * MiB], "h200": [512 * MiB]}

@@ -31,6 +31,10 @@ SHAPES = [(ws, t, h, d) for ws in WORLD_SIZES for t in TOKENS for h in HIDDEN
 # Device facts the stand-ins answer with.
 FACTS = {
     "h200": dict(granularity=2 * MiB, multicast_granularity=512 * MiB),  # §9, POSIX
+    # the driver's answer per object size (2 MiB for a 2 MiB object); the plan asks the
+    # shim's own H200 rule (_facts.h200_multicast_granularity)
+    "h200-per-size": dict(granularity=2 * MiB, multicast_granularity=512 * MiB,
+                          multicast_by_size=True),
     "exact": dict(granularity=1, multicast_granularity=1),  # every byte of rounding shows
     "fabric-imex": dict(granularity=2 * MiB, multicast_granularity=2 * MiB,
                         fabric_supported=True, fabric_nvml_ok=True, imex_channel=True),
@@ -198,6 +202,8 @@ def _case_and_facts(spec: Spec) -> tuple:
                           else case.torch_signal_pad),
         imex_channel=case.imex_channel,
         **({"compute_capability": tuple(spec.cc)} if spec.cc else {}),
+        **({"multicast_granularity_for": _facts.h200_multicast_granularity}
+           if case.multicast_by_size else {}),
     )
     return case, facts
 

@@ -203,6 +203,10 @@ class Case:
     rank: int
     granularity: int = 2 << 20
     multicast_granularity: int = 512 << 20
+    # True: cuMulticastGetGranularity answers by the object's size, as H200's driver
+    # does (measured, docs/gpu/mc-granularity-*.jsonl): 2 MiB up to a 2 MiB object,
+    # multicast_granularity above it.
+    multicast_by_size: bool = False
     fabric_supported: bool = False
     fabric_nvml_ok: bool = False
     imex_channel: bool = False
@@ -337,7 +341,10 @@ class FakeDriver:
         return (self._ok, self._rec.case.granularity)
 
     def cuMulticastGetGranularity(self, prop, flags):
-        return (self._ok, self._rec.case.multicast_granularity)
+        case = self._rec.case
+        if case.multicast_by_size and int(prop.size) <= 2 << 20:
+            return (self._ok, 2 << 20)
+        return (self._ok, case.multicast_granularity)
 
     # physical memory
     def cuMemCreate(self, size, prop, flags):
