@@ -1,5 +1,5 @@
 """The grep-able decision line: one INFO line per fresh decision, parsed by the
-documented regex ``flashinfer_safe_workspace._doctor.DECISION_LINE``.
+documented regex ``flashinfer_safe_workspace.cli.logline.DECISION_LINE``.
 
 Real processes (one rank alone, then two ranks voting over a real gloo group); the
 SimulatedDevice stands in for the GPU. Every wait is bounded.
@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 
-from flashinfer_safe_workspace._doctor import DECISION_LINE, parse_decision_lines
+from flashinfer_safe_workspace.cli.logline import DECISION_LINE, parse_decision_lines
 
 TIMEOUT = 180
 MiB = 1 << 20

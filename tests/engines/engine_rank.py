@@ -382,7 +382,7 @@ def main(argv):
     except BaseException as exc:  # reported, never hidden
         out["crashed"] = _error(exc)
         out["traceback"] = traceback.format_exc()[-3000:]
-    from flashinfer_safe_workspace._doctor import parse_decision_lines
+    from flashinfer_safe_workspace.cli.logline import parse_decision_lines
 
     text = "\n".join(r["msg"] for r in RECORDS.items if r["logger"] == "flashinfer_safe_workspace")
     out["decisions"] = parse_decision_lines(text)
