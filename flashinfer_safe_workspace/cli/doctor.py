@@ -137,6 +137,7 @@ def facts_report(cuda: dict, device: int = 0) -> dict:
     device's granularity and per-size multicast granularity (for a 2 MiB and a 1 GiB
     object, 2 devices) when the driver answers, else the H200 values ``plan`` uses."""
     from .. import _config, _facts, _probe
+    from .._plan import MiB
 
     _, pad_source = _facts.signal_pad()
     if cuda.get("error") is None:
@@ -149,7 +150,7 @@ def facts_report(cuda: dict, device: int = 0) -> dict:
             facts, source = _facts.h200_facts(2), f"H200 values (cuda:{device}: {exc})"
     else:
         facts, source = _facts.h200_facts(2), "H200 values (no CUDA driver)"
-    for size in (2 << 20, 1 << 30):  # the two answers H200 gives
+    for size in (2 * MiB, 1024 * MiB):  # the two answers H200 gives
         facts.gmc(size)
     return _facts.describe(facts, pad_source=pad_source, source=source)
 

@@ -9,7 +9,7 @@ from .common import check_ints
 from .cutedsl import cutedsl_workspace
 from .mnnvl import mnnvl_workspace
 from .trtllm import trtllm_workspace
-from .versions import Traits, _traits, range_of
+from .versions import Traits, traits
 
 
 def _resolve_auto(t: Traits, req: Request, facts: Facts) -> Union[str, PassThrough]:
@@ -32,7 +32,7 @@ def plan_for(req: Request, facts: Facts, version: str) -> Union[Plan, PassThroug
     Returns a :class:`Plan`, or a :class:`PassThrough` when FlashInfer rejects the
     arguments itself before allocating. Raises :class:`Unplanned` when no rule covers
     the request (our limitation), e.g. a version older than 0.5.0."""
-    t = _traits(range_of(version))
+    t = traits(version)
     if req.entry == "legacy":
         if t.legacy_symm is None and (req.use_symm_dev_mem or req.has_comm_backend):
             return PassThrough("0.5.x has no use_symm_dev_mem/comm_backend parameter "
@@ -81,4 +81,4 @@ def plan_for(req: Request, facts: Facts, version: str) -> Union[Plan, PassThroug
 
 def needs_group_multicast_vote(req: Request, version: str) -> bool:
     """Whether ``auto`` is resolved by a group-wide multicast vote in this release."""
-    return req.entry == "unified" and req.backend == "auto" and _traits(range_of(version)).auto_vote
+    return req.entry == "unified" and req.backend == "auto" and traits(version).auto_vote
