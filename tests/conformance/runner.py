@@ -105,7 +105,16 @@ def _named_config(name: str):
 def cutedsl_grid() -> list:
     """Every profile of FlashInfer's own configs at a few token counts (some beyond a
     profile's routes: FlashInfer rejects those before allocating), with the options
-    each config is measured for, plus FP8-output variants of the default config."""
+    each config is measured for, plus FP8-output variants of the default config.
+
+    Empty where FlashInfer's factory has no mnnvl-cutedsl options (before 0.7.2.post1:
+    the ``mnnvl-cutedsl`` entry checks that it rejects the backend), whose profile
+    tables, where present, are an earlier draft with other fields."""
+    import flashinfer.comm
+
+    factory = getattr(flashinfer.comm, "create_allreduce_fusion_workspace", None)
+    if factory is None or "top_k" not in inspect.signature(factory).parameters:
+        return []
     try:
         from flashinfer.comm import mnnvl_cutedsl
 
