@@ -3,8 +3,10 @@
 Pure Python (no torch, no CUDA): a :class:`Request` (the call's arguments, normalised)
 plus :class:`Facts` (device and environment facts the rules depend on) go in; a
 :class:`Plan` (ordered allocations, held vs transient) or a :class:`PassThrough`
-(FlashInfer will reject these arguments itself, before allocating) comes out. The
-per-release rules live in ``_releases``.
+(FlashInfer will reject these arguments itself, before allocating) comes out of
+``rules.plan_for``. Types and the package's units only: this module imports nothing
+from the rules (``rules`` imports it), and ``_facts`` fills :class:`Facts` from the
+runtime.
 """
 
 from __future__ import annotations
@@ -12,13 +14,34 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
-MiB = 1 << 20
+MiB = 1 << 20  # the package's one MiB
 DEFAULT_GRANULARITY = 2 * MiB  # measured on H200 (reference section 9)
-DEFAULT_MC_GRANULARITY = 512 * MiB  # RECOMMENDED multicast granularity on H200
+DEFAULT_MC_GRANULARITY = 512 * MiB  # RECOMMENDED multicast granularity on H200, >= 4 MiB
+# torch's symmetric-memory signal pad before torch had get_signal_pad_size(); the
+# runtime value (9216 with torch 2.11+ and 2.13) comes from _facts.signal_pad().
+FALLBACK_TORCH_SIGNAL_PAD = 2048
 
-ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# Element sizes of torch dtypes, by name without "torch.".
+ELEMENT_SIZE = {
+    "float16": 2, "bfloat16": 2, "float32": 4,
+    "float64": 8, "int64": 8, "uint64": 8, "complex64": 8,
+    "int32": 4, "uint32": 4,
+    "int16": 2, "uint16": 2,
+    "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+
+def dtype_name(dtype) -> Optional[str]:
+    """``torch.bfloat16`` / ``"torch.bfloat16"`` / ``"bfloat16"`` -> ``"bfloat16"``;
+    ``None`` stays ``None``. The one dtype normaliser of the package."""
+    if dtype is None:
+        return None
+    text = str(dtype)
+    return text[len("torch."):] if text.startswith("torch.") else text
 
 
 class Unplanned(Exception):
@@ -62,7 +85,8 @@ class Facts:
     confidential_compute: bool = False
     current_device: int = 0
     device_count: int = 1
-    torch_signal_pad: int = 2048  # torch symmetric memory signal pad (allocator C)
+    # torch symmetric memory's signal pad (allocator C); runtime value: _facts.signal_pad()
+    torch_signal_pad: int = FALLBACK_TORCH_SIGNAL_PAD
     compute_capability: tuple = (9, 0)
     # An IMEX channel is usable, so FABRIC handles can be exported. Without one,
     # 0.7.4 retries each FABRIC allocation with POSIX fds (a transient FABRIC
@@ -168,12 +192,3 @@ class PassThrough:
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
-
-def make_plan(request: Request, facts: Facts, version: str) -> Union[Plan, PassThrough]:
-    """The plan for ``request`` under FlashInfer ``version``.
-
-    Raises :class:`Unplanned` when no rule covers the request.
-    """
-    from . import _releases
-
-    return _releases.plan(request, facts, version)

@@ -15,7 +15,7 @@ import sys
 from typing import Callable, Optional
 
 from . import _group, _plan, _vote
-from ._plan import Request
+from ._plan import Request, dtype_name
 
 UNIFIED = "unified"
 LEGACY = "legacy"
@@ -24,14 +24,6 @@ CUTEDSL_OPTIONS = frozenset({
     "top_k", "rms_eps", "weight_bias", "routed_scaling_factor", "include_shared_expert",
     "add_residual", "write_residual_output", "apply_rms_norm", "output_dtype", "dynamic_fp8",
     "write_norm_output", "config"})
-
-
-def dtype_name(dtype) -> Optional[str]:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (strings pass through; None stays None)."""
-    if dtype is None:
-        return None
-    text = str(dtype)
-    return text[len("torch."):] if text.startswith("torch.") else text
 
 
 @functools.lru_cache(maxsize=32)
@@ -136,75 +128,52 @@ def group_mismatch(req: Request, members: _group.Members) -> str:
 
 
 def flashinfer_version() -> Optional[str]:
-    module = sys.modules.get("flashinfer")
-    version = getattr(module, "__version__", None)
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
-            version = dist_version("flashinfer-python")
-        except Exception:  # noqa: BLE001
-            return None
-    return str(version)
+    from . import rules
+
+    return rules.flashinfer_version()
 
 
 def unknown_version(version: Optional[str]) -> bool:
-    from . import _releases
+    from . import rules
 
     if version is None:
         return False
     try:
-        return _releases.is_unknown(version)
+        return rules.is_unknown(version)
     except Exception:  # noqa: BLE001 - older than every rule: the plan says Unplanned
         return False
 
 
 def newest() -> str:
-    from . import _releases
+    from . import rules
 
-    return ".".join(map(str, _releases.NEWEST[:3]))
+    return ".".join(map(str, rules.NEWEST[:3]))
 
 
 def auto_by_vote(req: Request, version: Optional[str]) -> bool:
-    from . import _releases
+    from . import rules
 
     try:
-        return bool(version) and _releases.needs_group_multicast_vote(req, version)
+        return bool(version) and rules.needs_group_multicast_vote(req, version)
     except Exception:  # noqa: BLE001
         return False
 
 
 def plan_for(req: Request, facts, version: Optional[str]):
+    from . import rules
+
     if version is None:
-        raise _plan.Unplanned("FlashInfer's version cannot be read")
-    return _plan.make_plan(req, facts, version)
+        raise _plan.Unplanned("FlashInfer's version cannot be read (is flashinfer installed?)")
+    return rules.plan_for(req, facts, version)
 
 
-def facts_for(req: Request, members: _group.Members):
-    """This rank's facts from the runtime (driver, FlashInfer, torch)."""
-    from . import _probe
+def facts_for(req: Request, members=None):
+    """This rank's facts from the runtime (driver, FlashInfer, torch's signal pad)."""
+    from . import _facts, _probe
 
     cc = _confidential_compute() if req.entry == UNIFIED else False
     ws = req.world_size if isinstance(req.world_size, int) else 1
-    prober = _probe.get_prober()
-    facts = prober.facts(None, cc, ws)
-    return _size_aware_multicast(facts, prober, ws)
-
-
-def _size_aware_multicast(facts, prober, world_size):
-    import dataclasses
-
-    query = getattr(prober, "multicast_granularity", None)
-    if query is None:
-        return facts
-    handle = "fabric" if facts.fabric_supported and facts.imex_channel else "posix"
-    answers: dict = {}
-
-    def for_size(size: int):
-        if size not in answers:
-            answers[size] = query(None, world_size, size, handle)
-        return answers[size]
-
-    return dataclasses.replace(facts, multicast_granularity_for=for_size)
+    return _facts.runtime_facts(_probe.get_prober(), confidential_compute=cc, world_size=ws)
 
 
 def _confidential_compute() -> bool:

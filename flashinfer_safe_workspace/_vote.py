@@ -66,6 +66,7 @@ REASON_TEXT = {
 
 COMMIT, ABORT, PASS = "commit", "abort", "pass"  # PASS: every rank calls FlashInfer, which
 # rejects the arguments itself (the same call on every rank, so the same error)
+REJOIN_S = 0.5  # a peer whose mismatched call we aborted gets this long to join our round
 GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
 # register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
 
@@ -224,6 +225,8 @@ class StoreRound:
         self.c: Optional[int] = None
         self.finished = False
         self.published = False
+        self._aborted: dict = {}  # peer -> board generation of its round we aborted
+        self._done_at: dict = {}  # peer -> when we saw it finish that round
 
     # -- keys
     @property
@@ -288,7 +291,7 @@ class StoreRound:
         self.published = True
         out = Outcome(False, key=self._k())
         if not own_yes:  # a no needs nobody else: decide now, and tell peers waiting elsewhere
-            reg = self._write(ABORT, f"rank {self.rank} said no")
+            reg = self._write(ABORT, f"rank {self.rank} said no: {_no_text(record)}")
             out.commit, out.register = reg.get("o") == COMMIT, reg
             out.records = self._records_if_all(keys) or [record]
             out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
@@ -389,7 +392,23 @@ class StoreRound:
         except Exception:  # noqa: BLE001 - only an early exit; the deadline still holds
             return [], []
         waiting, finished = [], []
+        now = time.monotonic()
         for rank, b in zip(peers, boards):
+            if b and self._aborted.get(rank) == b.get("g") and b.get("s") == "done":
+                # a peer whose other call we aborted has finished it: if it does not come to
+                # our round soon, it was a mismatch, not a call it made before ours
+                since = self._done_at.setdefault(rank, now)
+                if now - since > REJOIN_S:
+                    finished.append({"m": MAGIC, "rank": rank, "id": "other",
+                                     "args": b.get("a", {}), "c": {}})
+                continue
+            if (b and rank in self._aborted and b.get("g", 0) > self._aborted[rank]
+                    and b.get("k") != self.round_name):
+                # it finished the call we aborted and moved on to yet another one: it is not
+                # coming to ours; abort our round and leave its new one alone (we may join it)
+                finished.append({"m": MAGIC, "rank": rank, "id": "other",
+                                 "args": b.get("a", {}), "c": {}})
+                continue
             if not b or b.get("g", 0) <= seen.get(rank, 0) or b.get("k") == self.round_name:
                 continue
             ident, _, c = str(b.get("k")).rpartition("/")
@@ -418,6 +437,7 @@ class StoreRound:
                 with _meta:
                     marks = _seen.setdefault(self.mkey, {})
                     marks[rank] = max(marks.get(rank, 0), b.get("g", 0))
+                self._aborted[rank] = b.get("g")
         return waiting, finished
 
     def _write(self, outcome: str, why: str, mismatch=None) -> dict:
@@ -501,6 +521,16 @@ def _is_yes(record: dict) -> bool:
     if record.get("auto"):
         return any(s in ("ok", "pass") for s in states)
     return all(s in ("ok", "pass") for s in states)
+
+
+def _no_text(record: dict) -> str:
+    """A rank's reasons for its no, short (for the register, which late ranks read)."""
+    parts = []
+    for cand in record.get("c", {}).values():
+        text = REASON_TEXT.get(cand.get("r"), "no")
+        note = cand.get("n")
+        parts.append(f"{text}: {note}" if note and note != text else text)
+    return "; ".join(parts)[:400] or "no"
 
 
 def _loads(raw) -> dict:

@@ -103,7 +103,9 @@ def need_mb(world_size=2, max_token_num=2048, hidden_dim=4096, dtype="bfloat16",
 
     req = _plan.Request("unified", "trtllm", world_size, 0, max_token_num, hidden_dim, dtype)
     facts = _probe.SimulatedDevice(1 << 40).facts(None, False, world_size)
-    plan = _plan.make_plan(req, facts, flashinfer.__version__)
+    from flashinfer_safe_workspace import rules
+
+    plan = rules.plan_for(req, facts, flashinfer.__version__)
     if headroom_mb is None:  # what the shim itself would use for this call on WORLD
         from flashinfer_safe_workspace import _request
 

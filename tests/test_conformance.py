@@ -7,6 +7,10 @@ stand-ins for the CUDA driver/runtime, torch symmetric memory and the collective
 asks for — size, API, handle type, held or released, in order — must equal the plan
 that flashinfer_safe_workspace computes for ``flashinfer.__version__``.
 
+Facts: the stand-in of torch's symmetric-memory allocator pads each block with the
+installed torch's own ``get_signal_pad_size()``; the plan gets its pad through the
+shim's lookup (``_facts.signal_pad``), so a wrong pad in the shim shows as a mismatch.
+
 Set FIWS_CONFORMANCE_REPORT=<path> to append a JSON line per test with the counts
 (scripts/conformance-matrix builds docs/fidelity.md from them).
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import time
@@ -22,8 +27,8 @@ import time
 import pytest
 
 from conformance import runner, standins
-from flashinfer_safe_workspace import _releases
-from flashinfer_safe_workspace._plan import Plan
+from flashinfer_safe_workspace import _facts, rules
+from flashinfer_safe_workspace._plan import MiB, Plan
 
 try:
     flashinfer = standins.import_flashinfer()
@@ -31,8 +36,7 @@ except Exception as exc:  # pragma: no cover - no flashinfer, or it cannot load 
     pytest.skip(f"flashinfer not importable on this host: {exc!r}", allow_module_level=True)
 
 VERSION = flashinfer.__version__
-RANGE = _releases.range_of(VERSION)
-MiB = 1 << 20
+RANGE = rules.range_of(VERSION)
 
 
 def _report(test: str, **data) -> None:
@@ -99,14 +103,14 @@ def test_comparison_detects_a_wrong_plan(recorder, monkeypatch):
     entry = "legacy" if RANGE == "R0" else "trtllm"
     spec = runner.Spec(entry, 2, 0, 2048, 4096, "bfloat16", "h200")
     assert runner.run(flashinfer, rec, spec, keep).status == "match"
-    real_plan = _releases.plan
+    real_plan = rules.plan_for
 
     def off_by_one(req, facts, version):
         plan = real_plan(req, facts, version)
         first = dataclasses.replace(plan.allocations[0], bytes=plan.allocations[0].bytes + 1)
         return dataclasses.replace(plan, allocations=(first,) + plan.allocations[1:])
 
-    monkeypatch.setattr(_releases, "plan", off_by_one)
+    monkeypatch.setattr(rules, "plan_for", off_by_one)
     outcome = runner.run(flashinfer, rec, spec, keep)
     assert outcome.status == "mismatch" and "differ" in outcome.detail
 
@@ -157,7 +161,7 @@ def test_h200_measurement_of_section_9(recorder):
 
 
 def _cutedsl_planned() -> bool:
-    return RANGE in _releases.CUTEDSL_PLANNED_RANGES and not _releases.is_unknown(VERSION)
+    return RANGE in rules.CUTEDSL_PLANNED_RANGES and not rules.is_unknown(VERSION)
 
 
 def test_cutedsl_reference_example(recorder):
@@ -188,7 +192,7 @@ def test_cutedsl_comparison_detects_a_wrong_plan(recorder, monkeypatch, change):
     spec = runner.Spec("mnnvl-cutedsl-accepted", 8, 0, 2048, 8192, "bfloat16", "h200",
                        cc=(10, 0))
     assert runner.run(flashinfer, rec, spec, keep).status == "match"
-    real_plan = _releases.plan
+    real_plan = rules.plan_for
 
     def wrong(req, facts, version):
         plan = real_plan(req, facts, version)
@@ -200,13 +204,87 @@ def test_cutedsl_comparison_detects_a_wrong_plan(recorder, monkeypatch, change):
             del allocs[i]
         return dataclasses.replace(plan, allocations=tuple(allocs))
 
-    monkeypatch.setattr(_releases, "plan", wrong)
+    monkeypatch.setattr(rules, "plan_for", wrong)
     outcome = runner.run(flashinfer, rec, spec, keep)
     assert outcome.status == "mismatch" and "differ" in outcome.detail
 
 
-def test_version_is_known_or_newest():
-    if _releases.is_unknown(VERSION):
-        assert RANGE == "R10"
+# The release the matrix runs for each range (scripts/conformance-matrix), by hand.
+RANGE_OF_RELEASE = {
+    "0.5.3": "R0", "0.6.6": "R1", "0.6.9": "R2", "0.6.10": "R3", "0.6.14": "R4",
+    "0.6.15": "R5", "0.6.17": "R6", "0.7.1": "R7", "0.7.2": "R8", "0.7.2.post1": "R9",
+    "0.7.4": "R10",
+}
+
+
+def test_the_range_matches_this_flashinfer():
+    """The range the rules pick for the importable FlashInfer agrees with the table
+    above and with the API FlashInfer itself exposes (entry points and parameters)."""
+    if rules.is_unknown(VERSION):
+        assert RANGE == rules.RANGES[-1][1]
+    elif VERSION in RANGE_OF_RELEASE:
+        assert RANGE == RANGE_OF_RELEASE[VERSION]
+    t = rules.traits(VERSION)
+    unified = getattr(flashinfer.comm, "create_allreduce_fusion_workspace", None)
+    assert t.unified is (unified is not None)
+    legacy = inspect.signature(flashinfer.comm.trtllm_create_ipc_workspace_for_all_reduce_fusion)
+    assert (t.legacy_symm is not None) is ("use_symm_dev_mem" in legacy.parameters)
+    if unified is not None:
+        assert t.cutedsl_factory is ("top_k" in inspect.signature(unified).parameters)
+
+
+def _issue_example_applies() -> bool:
+    t = rules.traits(VERSION)
+    return t.legacy_default == "C" and t.wide_fp32_buffer
+
+
+def test_legacy_default_path_uses_the_installed_torch_pad(recorder):
+    """Issue 11's example: 0.7.4's legacy default path (torch symmetric memory), ws 8,
+    T 91, H 2880, fp32. With torch's real pad (9216 with torch 2.11+) FlashInfer's
+    blocks are 10 + 2 + 26 MiB; a pad of 2048 would plan 8 + 2 + 24 MiB."""
+    if not _issue_example_applies():
+        pytest.skip("allocator C with 4-byte fp32 buffers: 0.7.2 and later")
+    rec, keep = recorder
+    spec = runner.Spec("legacy", 8, 0, 91, 2880, "float32", "h200")
+    outcome = runner.run(flashinfer, rec, spec, keep)
+    assert outcome.status == "match", outcome.detail
+    blocks = [r.bytes for r in outcome.captured if r.api == "cuMemCreate"]
+    pad = _facts.signal_pad()[0]
+    assert outcome.plan.allocations[0].formula.endswith(f"P_t={pad}, G={2 * MiB})")
+    if pad == 9216:
+        assert blocks == [10 * MiB, 2 * MiB, 26 * MiB]
+
+
+def test_a_stale_signal_pad_is_a_mismatch(recorder, monkeypatch):
+    """Negative control: planning with 2048 while torch pads with its own value is
+    reported (the false pass issue 11 found), unless torch's pad is 2048 itself."""
+    if not _issue_example_applies():
+        pytest.skip("allocator C with 4-byte fp32 buffers: 0.7.2 and later")
+    if _facts.signal_pad()[0] == 2048:
+        pytest.skip("this torch pads with 2048: a stale pad cannot show")
+    rec, keep = recorder
+    monkeypatch.setattr(_facts, "signal_pad", lambda: (2048, "stale"))
+    spec = runner.Spec("legacy", 8, 0, 91, 2880, "float32", "h200")
+    outcome = runner.run(flashinfer, rec, spec, keep)
+    assert outcome.status == "mismatch" and "differ" in outcome.detail
+    assert [a.bytes for a in outcome.plan.allocations if a.api == "cuMemCreate"] == [
+        8 * MiB, 2 * MiB, 24 * MiB]
+
+
+def test_multicast_granularity_is_asked_per_object_size(recorder):
+    """Issue 11's example: 0.7.4 mnnvl, ws 4, T 777, H 1, fp16. FlashInfer asks the
+    driver's multicast granularity for the 2 MiB object itself: where the driver answers
+    by size (as H200's does) the buffer stays 2 MiB, as the shim's H200 rule plans."""
+    if not rules.traits(VERSION).unified:
+        pytest.skip("no mnnvl backend in 0.5.x")
+    rec, keep = recorder
+    sizes = {}
+    for facts_name in ("h200-per-size", "h200"):
+        spec = runner.Spec("mnnvl", 4, 1, 777, 1, "float16", facts_name)
+        outcome = runner.run(flashinfer, rec, spec, keep)
+        assert outcome.status == "match", outcome.detail
+        sizes[facts_name] = [r.bytes for r in outcome.captured if r.api == "cuMemCreate"]
+    if rules.traits(VERSION).mnnvl == "C":  # 0.6.10–0.6.14: torch symmetric memory, no Gmc
+        assert sizes["h200-per-size"] == sizes["h200"] == [2 * MiB]
     else:
-        assert RANGE == _releases.range_of(VERSION)
+        assert sizes == {"h200-per-size": [2 * MiB], "h200": [512 * MiB]}

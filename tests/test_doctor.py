@@ -15,7 +15,8 @@ from importlib.metadata import version
 
 import pytest
 
-from flashinfer_safe_workspace import _doctor, _releases
+from flashinfer_safe_workspace import _facts, rules
+from flashinfer_safe_workspace.cli import doctor as _doctor
 
 TIMEOUT = 120
 VAR = "FLASHINFER_SAFE_WORKSPACE"
@@ -104,8 +105,8 @@ def test_versions_match_the_installed_distributions():
     assert r["wrapt"]["major"] == int(version("wrapt").split(".")[0])
     fi = version("flashinfer-python")
     assert r["flashinfer"]["version"] == fi
-    assert r["flashinfer"]["rules"] == _releases.range_of(fi)
-    assert r["flashinfer"]["verified"] is (not _releases.is_unknown(fi))
+    assert r["flashinfer"]["rules"] == rules.range_of(fi)
+    assert r["flashinfer"]["verified"] is (not rules.is_unknown(fi))
     from flashinfer_safe_workspace import __version__
     assert r["package_version"] == __version__
 
@@ -140,7 +141,7 @@ def test_no_driver_is_reported_gracefully():
 
 def test_install_in_code_counts_as_active():
     code = ("import flashinfer_safe_workspace as f, json, sys; f.install();"
-            "from flashinfer_safe_workspace import _doctor;"
+            "from flashinfer_safe_workspace.cli import doctor as _doctor;"
             "r = _doctor.doctor_report(); print(json.dumps([r['active'], r['flashinfer']['wrapped'],"
             " r['why'][0]]))")
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
@@ -155,14 +156,27 @@ def test_install_in_code_counts_as_active():
 def test_unverified_flashinfer_release_is_flagged(monkeypatch):
     # Stand-in: pretend the installed FlashInfer is newer than the newest mirrored
     # release (CI cannot install a FlashInfer that does not exist yet).
-    newer = "%d.%d.%d" % (_releases.NEWEST[0], _releases.NEWEST[1], _releases.NEWEST[2] + 1)
-    real = _doctor._dist_version
-    monkeypatch.setattr(_doctor, "_dist_version",
-                        lambda name: newer if name == "flashinfer-python" else real(name))
+    newer = "%d.%d.%d" % (rules.NEWEST[0], rules.NEWEST[1], rules.NEWEST[2] + 1)
+    monkeypatch.setattr(rules, "flashinfer_version", lambda: newer)
     r = _doctor.doctor_report(import_flashinfer=False)
     assert r["flashinfer"]["version"] == newer
     assert r["flashinfer"]["verified"] is False
-    assert r["flashinfer"]["rules"] == _releases.RANGES[-1][1]
+    assert r["flashinfer"]["rules"] == rules.RANGES[-1][1]
     assert any(newer in line and "UNKNOWN_VERSION" in line for line in r["why"])
     text = _doctor.format_doctor(r)
     assert "verified no" in text
+
+
+def test_doctor_prints_the_facts_it_plans_with():
+    """torch's real signal pad, and (no driver here) H200's per-size multicast rule."""
+    rc, r = doctor_json("--no-import", **{VAR: "1"})
+    pad, source = _facts.signal_pad()
+    facts = r["facts"]
+    assert facts["torch_signal_pad"] == pad and facts["torch_signal_pad_source"] == source
+    if r["cuda"]["error"]:
+        assert facts["source"].startswith("H200 values")
+        assert facts["multicast_granularity_by_size"] == {str(2 << 20): 2 << 20,
+                                                          str(1 << 30): 512 << 20}
+    text = doctor("--no-import", **{VAR: "1"}).stdout
+    assert f"torch signal pad {pad} B ({source})" in text
+    assert "granularity 2 MiB" in text or r["cuda"]["error"] is None

@@ -19,11 +19,11 @@ os.environ["FLASHINFER_SAFE_WORKSPACE"] = "1"
 line = open(sys.argv[1]).read()
 exec(line)  # the .pth line itself: imports the package, which only inserts a watcher
 import flashinfer_safe_workspace as f
-from flashinfer_safe_workspace import _bootstrap, _config, _plan
+from flashinfer_safe_workspace import _bootstrap, _config, _plan, rules
 s = _config.read_settings({"FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB": "64",
                            "FLASHINFER_SAFE_WORKSPACE_ON_VETO": "RAISE"})
-plan = _plan.make_plan(_plan.Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16"),
-                       _plan.Facts(), "0.7.4")
+plan = rules.plan_for(_plan.Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16"),
+                      _plan.Facts(), "0.7.4")
 print(json.dumps({"installed": f.is_installed(), "watching": _bootstrap.watching(),
                   "heavy": [m for m in ("wrapt", "torch", "flashinfer") if m in sys.modules],
                   "headroom": s.headroom_mb, "on_veto": s.on_veto, "peak": plan.peak_bytes,

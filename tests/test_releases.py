@@ -1,4 +1,4 @@
-"""Unit tests of the per-release allocation rules (_releases).
+"""Unit tests of the per-release allocation rules (the ``rules`` package).
 
 The numbers are the worked examples E1–E3 of §5 of the reference
 (/work/shared/reference/flashinfer-allocations.md), checked for every range R0–R10,
@@ -14,17 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashinfer_safe_workspace import _releases as R
+from flashinfer_safe_workspace import rules as R
 from flashinfer_safe_workspace._plan import (
+    MiB,
     Facts,
     PassThrough,
     Plan,
     Request,
     Unplanned,
-    make_plan,
+    round_up,
 )
-
-MiB = 1 << 20
+from flashinfer_safe_workspace.rules import plan_for as make_plan
 
 # One representative release per range (the conformance matrix uses the same ones).
 RELEASE = {
@@ -589,7 +589,7 @@ def test_cutedsl_custom_config_needs_its_value():
                      BLACKWELL, fi.__version__)
     assert [a.name for a in plan.allocations if a.api == "cuMemCreate"] == [
         "cutedsl.ll.mailbox"]
-    assert plan.allocations[0].bytes == R.round_up(3 * 8 * 2048 * 8192 * 2 + 2048, 2 * MiB)
+    assert plan.allocations[0].bytes == round_up(3 * 8 * 2048 * 8192 * 2 + 2048, 2 * MiB)
 
 
 def test_cutedsl_unplanned_without_flashinfer_tables(monkeypatch):
@@ -742,5 +742,17 @@ def test_cutedsl_plan_invariants(profile_index, tokens, granularity, pad, rank):
     # every buffer holds at most the max_token_num rows it may serve
     for a in blocks:
         if a.name in ("cutedsl.ht.local", "cutedsl.ht.prenorm"):
-            assert a.bytes - pad <= R.round_up(tokens * h * 2, granularity) + granularity
+            assert a.bytes - pad <= round_up(tokens * h * 2, granularity) + granularity
     assert plan.peak_bytes == sum(a.bytes for a in plan.allocations)
+
+
+@pytest.mark.parametrize("pad,blocks", [(9216, (10, 2, 26)), (2048, (8, 2, 24))])
+def test_legacy_default_path_carries_torch_signal_pad(pad, blocks):
+    """Issue 11's example: 0.7.4's legacy default path (allocator C), ws 8, T 91,
+    H 2880, fp32. torch 2.11+ pads with 9216 bytes: 10 + 2 + 26 MiB, not 8 + 2 + 24."""
+    req = Request("legacy", "trtllm", 8, 0, 91, 2880, "float32", use_fp32_lamport=True,
+                  create_metadata=True)
+    plan = make_plan(req, Facts(torch_signal_pad=pad), "0.7.4")
+    assert plan.allocator == "C"
+    assert [a.bytes for a in plan.allocations if a.api == "cuMemCreate"] == \
+        [n * MiB for n in blocks]

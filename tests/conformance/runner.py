@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned, make_plan
+from flashinfer_safe_workspace import _facts, rules
+from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned
 
 from .standins import Case, FakeComm, Recorder, cutedsl_device
 
@@ -30,6 +31,10 @@ SHAPES = [(ws, t, h, d) for ws in WORLD_SIZES for t in TOKENS for h in HIDDEN
 # Device facts the stand-ins answer with.
 FACTS = {
     "h200": dict(granularity=2 * MiB, multicast_granularity=512 * MiB),  # §9, POSIX
+    # the driver's answer per object size (2 MiB for a 2 MiB object); the plan asks the
+    # shim's own H200 rule (_facts.h200_multicast_granularity)
+    "h200-per-size": dict(granularity=2 * MiB, multicast_granularity=512 * MiB,
+                          multicast_by_size=True),
     "exact": dict(granularity=1, multicast_granularity=1),  # every byte of rounding shows
     "fabric-imex": dict(granularity=2 * MiB, multicast_granularity=2 * MiB,
                         fabric_supported=True, fabric_nvml_ok=True, imex_channel=True),
@@ -100,7 +105,16 @@ def _named_config(name: str):
 def cutedsl_grid() -> list:
     """Every profile of FlashInfer's own configs at a few token counts (some beyond a
     profile's routes: FlashInfer rejects those before allocating), with the options
-    each config is measured for, plus FP8-output variants of the default config."""
+    each config is measured for, plus FP8-output variants of the default config.
+
+    Empty where FlashInfer's factory has no mnnvl-cutedsl options (before 0.7.2.post1:
+    the ``mnnvl-cutedsl`` entry checks that it rejects the backend), whose profile
+    tables, where present, are an earlier draft with other fields."""
+    import flashinfer.comm
+
+    factory = getattr(flashinfer.comm, "create_allreduce_fusion_workspace", None)
+    if factory is None or "top_k" not in inspect.signature(factory).parameters:
+        return []
     try:
         from flashinfer.comm import mnnvl_cutedsl
 
@@ -191,9 +205,14 @@ def _case_and_facts(spec: Spec) -> tuple:
         confidential_compute=bool(opts.get("cc")),
         current_device=case.current_device,
         device_count=case.device_count,
-        torch_signal_pad=case.torch_signal_pad,
+        # the installed torch's pad, through the shim's own lookup (the stand-in of
+        # torch's allocator asks torch directly: standins.torch_signal_pad)
+        torch_signal_pad=(_facts.signal_pad()[0] if case.torch_signal_pad is None
+                          else case.torch_signal_pad),
         imex_channel=case.imex_channel,
         **({"compute_capability": tuple(spec.cc)} if spec.cc else {}),
+        **({"multicast_granularity_for": _facts.h200_multicast_granularity}
+           if case.multicast_by_size else {}),
     )
     return case, facts
 
@@ -257,7 +276,7 @@ def run(flashinfer, rec: Recorder, spec: Spec, keep: list) -> Outcome:
     _set_confidential_compute(flashinfer, bool(opts.get("cc")))
     req, fn, kwargs = call_flashinfer(flashinfer, spec, case)
     try:
-        plan = make_plan(req, facts, flashinfer.__version__)
+        plan = rules.plan_for(req, facts, flashinfer.__version__)
     except Unplanned as exc:
         return Outcome(spec, "unplanned", str(exc))
     error = None

@@ -203,6 +203,10 @@ class Case:
     rank: int
     granularity: int = 2 << 20
     multicast_granularity: int = 512 << 20
+    # True: cuMulticastGetGranularity answers by the object's size, as H200's driver
+    # does (measured, docs/gpu/mc-granularity-*.jsonl): 2 MiB up to a 2 MiB object,
+    # multicast_granularity above it.
+    multicast_by_size: bool = False
     fabric_supported: bool = False
     fabric_nvml_ok: bool = False
     imex_channel: bool = False
@@ -210,7 +214,7 @@ class Case:
     peers_multicast: Optional[bool] = None  # what the other ranks say in a bool vote
     current_device: int = 0
     device_count: int = 8
-    torch_signal_pad: int = 2048
+    torch_signal_pad: Optional[int] = None  # None: the installed torch's own pad
 
 
 class Recorder:
@@ -337,7 +341,10 @@ class FakeDriver:
         return (self._ok, self._rec.case.granularity)
 
     def cuMulticastGetGranularity(self, prop, flags):
-        return (self._ok, self._rec.case.multicast_granularity)
+        case = self._rec.case
+        if case.multicast_by_size and int(prop.size) <= 2 << 20:
+            return (self._ok, 2 << 20)
+        return (self._ok, case.multicast_granularity)
 
     # physical memory
     def cuMemCreate(self, size, prop, flags):
@@ -541,6 +548,15 @@ class _SymmHandle:
 # --------------------------------------------------------------------------- install
 
 
+def torch_signal_pad() -> int:
+    """The signal pad torch's CUDA symmetric-memory backend adds to every block, asked
+    of torch itself (torch releases before ``get_signal_pad_size`` used 2048)."""
+    from torch.distributed import _symmetric_memory as symm
+
+    query = getattr(symm, "get_signal_pad_size", None)
+    return int(query()) if query is not None else 2048
+
+
 def install(monkeypatch, rec: Recorder) -> None:
     """Install every stand-in (undone by ``monkeypatch``)."""
     import cuda.bindings.driver as real_driver
@@ -599,8 +615,8 @@ def install(monkeypatch, rec: Recorder) -> None:
         tensor = torch.empty(shape, dtype=dtype, device="meta")
         request = tensor.numel() * tensor.element_size()
         case = rec.case
-        block = -(-(-(-request // 16) * 16 + case.torch_signal_pad) // case.granularity) \
-            * case.granularity
+        pad = torch_signal_pad() if case.torch_signal_pad is None else case.torch_signal_pad
+        block = -(-(-(-request // 16) * 16 + pad) // case.granularity) * case.granularity
         rec.add(Record("cuMemCreate", block, "posix", case.current_device))
         tensor._fiws_request = request
         return tensor

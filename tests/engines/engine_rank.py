@@ -739,7 +739,7 @@ def main(argv):
 
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace import _decide, _probe
-    from flashinfer_safe_workspace._doctor import parse_decision_lines
+    from flashinfer_safe_workspace._log import parse_decision_lines
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
@@ -769,7 +769,6 @@ def main(argv):
         text = "\n".join(r["msg"] for r in records if r["logger"] == "flashinfer_safe_workspace")
         out["decisions"] = parse_decision_lines(text)
         out["answers"] = answers.items[amark:]
-        out["report"] = {k: v for k, v in _decide.last_report.items() if k != "note"}
         out["records"] = [r for r in records if r["level"] in ("WARNING", "ERROR", "INFO")
                           and r["logger"] != "flashinfer_safe_workspace"]
         out["standins"] = sorted(n for n, m in sys.modules.items()

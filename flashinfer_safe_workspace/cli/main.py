@@ -1,12 +1,13 @@
-"""Command line: ``python -m flashinfer_safe_workspace {demo,plan,doctor,check}``."""
+"""Command line: ``python -m flashinfer_safe_workspace {demo,plan,check,doctor}``.
+
+The parser and the dispatch only; each command lives in its own module of this
+package and is imported when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-
-MiB = 1 << 20
 
 
 def _add_shape(p, *, need_rank: bool = False) -> None:
@@ -53,8 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(plan, need_rank=True)
     plan.add_argument("--force-oneshot-support", action="store_true")
     plan.add_argument("--use-symm-dev-mem", action="store_true", help="legacy entry only")
-    plan.add_argument("--granularity", type=int, default=2 * MiB)
-    plan.add_argument("--multicast-granularity", type=int, default=512 * MiB)
+    plan.add_argument("--facts", choices=["auto", "h200", "driver"], default="auto",
+                      help="device facts: the CUDA driver's (driver), H200's measured values "
+                      "(h200), or the driver's when it answers and H200's otherwise (auto)")
+    plan.add_argument("--device", type=int, default=0,
+                      help="CUDA ordinal asked for the driver's facts")
+    plan.add_argument("--granularity", type=int, default=None,
+                      help="allocation granularity in bytes (default: from --facts)")
+    plan.add_argument("--multicast-granularity", type=int, default=None,
+                      help="one multicast granularity in bytes for every object (default: "
+                      "asked per object size, as the shim asks the driver)")
+    plan.add_argument("--signal-pad", type=int, default=None,
+                      help="torch symmetric memory's signal pad in bytes (default: the "
+                      "installed torch's get_signal_pad_size())")
     plan.add_argument("--handle-type", choices=["posix", "fabric"], default="posix")
     plan.add_argument("--confidential-compute", action="store_true")
     plan.add_argument("--no-multicast", action="store_true",
@@ -71,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(exit 0 fits, 1 does not, 2 cannot tell)")
     _add_shape(check, need_rank=True)
     check.add_argument("--headroom-mb", type=int, default=None,
-                       help="default: FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB (512)")
+                       help="default: FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB")
     check.add_argument("--device", type=int, default=0, help="CUDA ordinal to probe")
     check.add_argument("--flashinfer-version", default=None,
                        help="default: the installed FlashInfer")
@@ -81,68 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _installed_flashinfer_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("flashinfer-python")
-    except Exception:
-        return "0.7.4"
-
-
-def cmd_plan(args) -> int:
-    import dataclasses
-
-    from . import _plan
-
-    version = args.flashinfer_version or _installed_flashinfer_version()
-    req = _plan.Request(
-        entry=args.entry, backend=args.backend if args.entry == "unified" else "trtllm",
-        world_size=args.world_size, rank=args.rank, max_token_num=args.max_token_num,
-        hidden_dim=args.hidden_dim, dtype=args.dtype,
-        force_oneshot_support=args.force_oneshot_support,
-        use_fp32_lamport=args.dtype == "float32", use_symm_dev_mem=args.use_symm_dev_mem,
-        create_metadata=True)
-    fields = {f.name for f in dataclasses.fields(_plan.Facts)}
-    extra = {"imex_channel": True} if "imex_channel" in fields and args.handle_type == "fabric" else {}
-    facts = _plan.Facts(
-        granularity=args.granularity, multicast_granularity=args.multicast_granularity,
-        fabric_supported=args.handle_type == "fabric", fabric_nvml_ok=args.handle_type == "fabric",
-        multicast_supported=not args.no_multicast, multicast_all_ranks=not args.no_multicast,
-        confidential_compute=args.confidential_compute, current_device=args.rank, **extra)
-    try:
-        result = _plan.make_plan(req, facts, version)
-    except _plan.Unplanned as exc:
-        print(f"no plan: {exc}", file=sys.stderr)
-        return 2
-    if isinstance(result, _plan.PassThrough):
-        if args.json:
-            print(json.dumps({"flashinfer_version": version, "pass_through": result.reason}))
-        else:
-            print(f"FlashInfer {version} rejects this call before allocating: {result.reason}")
-        return 0
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        print(result.describe())
-    return 0
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from . import _demo
-        return _demo.run(args)
+        from . import demo
+        return demo.run(args)
     if args.command == "_demo-rank":
-        from . import _demo
-        return _demo.rank_main(args)
+        from . import demo
+        return demo.rank_main(args)
     if args.command == "plan":
-        return cmd_plan(args)
+        from . import plan
+        return plan.run_plan(args)
     if args.command == "doctor":
-        from . import _doctor
-        return _doctor.run_doctor(args)
+        from . import doctor
+        return doctor.run_doctor(args)
     if args.command == "check":
-        from . import _doctor
-        return _doctor.run_check(args)
+        from . import check
+        return check.run_check(args)
     return 2
 
 

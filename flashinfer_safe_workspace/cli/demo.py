@@ -4,18 +4,23 @@ With enough GPUs every rank probes its own GPU with real ``cuMemCreate`` and the
 starved rank really is filled up; without, a simulated device (free bytes per rank)
 stands in for the CUDA probe. Everything above the probe is the real code path, and
 FlashInfer's real function is what gets called when the vote says yes.
+
+Each rank reports what the decision logged (its decision line and, on a veto, its
+WARNING), read through the documented line parser: the demo keeps no state of its own
+inside the product.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
 
-MiB = 1 << 20
+from .._plan import MiB
 
 
 def _free_port() -> int:
@@ -81,10 +86,12 @@ def _print_table(rows, args) -> None:
         if "plan_bytes" not in row:
             print(f"  rank {row['rank']}: {row['outcome']}")
             continue
+        free = row["free_bytes"]
         print(f"  rank {row['rank']} [{row['device_kind']}]: plan {row['plan_bytes'] / MiB:.1f} MiB"
-              f" + headroom {row['headroom_bytes'] / MiB:.0f} MiB, free {row['free_bytes'] / MiB:.1f} MiB,"
-              f" probe {'ok' if row['probe_ok'] else 'NO'} ({row['probe_ms']:.2f} ms),"
-              f" vote {row['vote']} ({row['vote_ms']:.1f} ms) -> {row['outcome']}"
+              f" + headroom {row['headroom_bytes'] / MiB:.0f} MiB, free "
+              + (f"{free / MiB:.1f} MiB" if free >= 0 else "-")
+              + f", probe {row['probe']}, vote of ranks {row['ranks']}: {row['vote']}"
+              f" (decision logged {row['elapsed_ms']:.1f} ms) -> {row['outcome']}"
               f" in {row['decision_ms']:.1f} ms")
     reasons = {r.get("reason") for r in rows if r.get("reason")}
     for reason in sorted(reasons):
@@ -97,13 +104,14 @@ def rank_main(args) -> int:
     import torch.distributed as dist
 
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _decide, _plan, _probe
+    from flashinfer_safe_workspace import _facts, _plan, _probe, rules
 
     rank, ws = args.rank, args.world_size
     dist.init_process_group("gloo", rank=rank, world_size=ws,
                             init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     use_gpu = args.mode == "gpu" or (args.mode == "auto" and torch.cuda.device_count() >= ws)
     fiws.install(on_veto=args.on_veto, vote_timeout=args.vote_timeout)
+    heard = _Heard()  # what the decision logs: its decision line, a veto's WARNING
     import flashinfer
     import flashinfer.comm as comm
 
@@ -114,16 +122,17 @@ def rank_main(args) -> int:
     hog = None
     if use_gpu:
         torch.cuda.set_device(rank)
-        prober = _probe.CudaProber()
-        facts = prober.facts(None, False, ws)
-        need = _plan.make_plan(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
+        facts = _facts.runtime_facts(_probe.CudaProber(), confidential_compute=False,
+                                     world_size=ws)
+        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
         if args.starve_rank == rank:
             hog = _Hog(rank)
             hog.fill(leave=need - args.short_mb * MiB)
         kind = f"cuda:{rank}"
     else:
-        facts = _probe.SimulatedDevice(1 << 40).facts(None, False, ws)
-        need = _plan.make_plan(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
+        facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 40), confidential_compute=False,
+                                     world_size=ws)
+        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
         free = need - args.short_mb * MiB if args.starve_rank == rank else 80 << 30
         _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
         kind = "simulated"
@@ -146,26 +155,58 @@ def rank_main(args) -> int:
     except Exception as exc:  # FlashInfer's own error, e.g. no CUDA on this machine
         outcome = f"FlashInfer was called and raised {type(exc).__name__}: {str(exc)[:120]}"
     decision_ms = (time.perf_counter() - start) * 1000
-    report = dict(_decide.last_report)
-    if not reason and report.get("vote") == "no":
-        reason = report.get("note", "")
+    heard.close()
     row = {"rank": rank, "device_kind": kind, "outcome": outcome, "decision_ms": decision_ms,
-           "reason": _decide_reason(report) or reason, **report}
+           "headroom_bytes": settings.headroom_bytes, "reason": heard.veto or reason}
+    line = heard.decision()
+    if line is not None:  # the decision line's fields; "outcome" stays what the call gave
+        row.update({k: v for k, v in line.items() if k != "outcome"})
+        row["vote"] = "yes" if line["outcome"] == "pass" else "no"
     if hog is not None:
         hog.release()
     print(json.dumps(row, default=str), flush=True)
     os._exit(0)  # skip process-group teardown: peers may have died on purpose
 
 
-def _decide_reason(report) -> str:
-    return report.get("message", "")
+class _Heard(logging.Handler):
+    """Collects the shim's log records in this rank: the last decision line (parsed
+    with the documented regex) and the veto WARNING's reason."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        from .._log import logger
+
+        self.logger, self.lines, self.veto = logger, [], ""
+        self.level_before = logger.level
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record) -> None:
+        text = record.getMessage()
+        if "fiws decision " in text:
+            self.lines.append(text)
+        elif record.levelno >= logging.WARNING and "vetoed" in text:
+            self.veto = text.split("on every rank: ", 1)[-1]
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+        super().close()
+
+    def decision(self):
+        from .logline import from_log
+
+        _, parse = from_log()
+        found = parse("\n".join(self.lines))
+        return found[-1] if found else None
 
 
 class _Hog:
     """Fills a GPU with cuMemCreate so that only ``leave`` bytes stay free (GPU demo)."""
 
     def __init__(self, device: int):
-        from ._probe import CudaProber, _check
+        from .._probe import CudaProber, _check
 
         self.prober, self.check, self.device, self.handles = CudaProber(), _check, device, []
 

@@ -1,0 +1,97 @@
+"""``plan``: the allocations a FlashInfer release makes for given arguments, from the
+shared rules (``rules.plan_for``). No GPU needed.
+
+Facts, by default as the shim has them: torch's signal pad from the installed torch;
+the granularity and the per-object-size multicast granularity from the CUDA driver
+when it answers (``--facts auto``/``driver``), else H200's measured values (2 MiB;
+multicast 2 MiB for a 2 MiB object, 512 MiB from 4 MiB up). ``--granularity``,
+``--multicast-granularity`` (one value for every object) and ``--signal-pad`` override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+
+def plan_facts(args):
+    """(Facts, pad source, facts source) for the ``plan`` arguments; raises
+    ``_probe.ProbeUnavailable`` for ``--facts driver`` without a usable driver."""
+    from .. import _facts, _plan, _probe
+
+    fabric = args.handle_type == "fabric"
+    base = _facts.h200_facts(args.world_size)
+    source = "H200 values"
+    prober = None
+    if args.facts in ("auto", "driver"):
+        try:
+            prober = _probe.CudaProber()
+            driver = prober.facts(args.device, args.confidential_compute, args.world_size)
+            base = dataclasses.replace(base, granularity=driver.granularity)
+            source = f"cuda:{args.device}, driver"
+        except Exception as exc:  # noqa: BLE001 - no driver, no device: H200 unless asked
+            if args.facts == "driver":
+                raise _probe.ProbeUnavailable(f"--facts driver: {exc}") from None
+            prober, source = None, f"H200 values (no CUDA driver: {type(exc).__name__})"
+    facts = _plan.Facts(
+        granularity=base.granularity,
+        multicast_granularity=base.multicast_granularity,
+        fabric_supported=fabric, fabric_nvml_ok=fabric, imex_channel=fabric,
+        multicast_supported=not args.no_multicast, multicast_all_ranks=not args.no_multicast,
+        confidential_compute=args.confidential_compute, current_device=args.rank,
+        torch_signal_pad=base.torch_signal_pad,
+        multicast_granularity_for=base.multicast_granularity_for)
+    if prober is not None:  # the driver's answer per object size, as the shim asks it
+        facts = _facts.size_aware_multicast(facts, prober, args.world_size, args.device)
+    pad_source = _facts.signal_pad()[1]
+    if args.granularity is not None:
+        facts = dataclasses.replace(facts, granularity=args.granularity)
+    if args.multicast_granularity is not None:
+        facts = dataclasses.replace(facts, multicast_granularity=args.multicast_granularity,
+                                    multicast_granularity_for=None)
+    if args.signal_pad is not None:
+        facts = dataclasses.replace(facts, torch_signal_pad=args.signal_pad)
+        pad_source = "--signal-pad"
+    return facts, pad_source, source
+
+
+def run_plan(args) -> int:
+    from .. import _facts, _plan, _probe, rules
+
+    version = args.flashinfer_version or rules.flashinfer_version()
+    if version is None:
+        print("no plan: FlashInfer is not installed here; pass --flashinfer-version",
+              file=sys.stderr)
+        return 2
+    req = _plan.Request(
+        entry=args.entry, backend=args.backend if args.entry == "unified" else "trtllm",
+        world_size=args.world_size, rank=args.rank, max_token_num=args.max_token_num,
+        hidden_dim=args.hidden_dim, dtype=args.dtype,
+        force_oneshot_support=args.force_oneshot_support,
+        use_fp32_lamport=args.dtype == "float32", use_symm_dev_mem=args.use_symm_dev_mem,
+        create_metadata=True)
+    try:
+        facts, pad_source, source = plan_facts(args)
+    except _probe.ProbeUnavailable as exc:
+        print(f"no plan: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = rules.plan_for(req, facts, version)
+    except _plan.Unplanned as exc:
+        print(f"no plan: {exc}", file=sys.stderr)
+        return 2
+    used = _facts.describe(facts, pad_source=pad_source, source=source)
+    if isinstance(result, _plan.PassThrough):
+        if args.json:
+            print(json.dumps({"flashinfer_version": version, "pass_through": result.reason,
+                              "facts": used}))
+        else:
+            print(f"FlashInfer {version} rejects this call before allocating: {result.reason}")
+        return 0
+    if args.json:
+        print(json.dumps({**result.to_json(), "facts": used}, indent=2))
+    else:
+        print(result.describe())
+        print("  " + _facts.format_facts(used))
+    return 0

@@ -1,0 +1,43 @@
+"""Per-release allocation rules of FlashInfer's all-reduce fusion workspaces.
+
+    versions    releases, ranges R0–R10, per-range traits, flashinfer_version()
+    allocators  the rounding of allocators A, B1–B4 and C
+    trtllm      the trtllm workspace (unified and legacy entry)
+    mnnvl       the mnnvl workspace
+    cutedsl     mnnvl-cutedsl, allocator D (the only module importing torch/FlashInfer)
+    entry       plan_for(request, facts, version): THE entry point
+
+The formulas are written from the project's reference notes on FlashInfer's
+allocations, not copied code; the conformance test (tests/test_conformance.py) runs
+FlashInfer's real creation code against recording stand-ins and compares what it asks
+for with these plans. Everything but ``cutedsl`` is pure Python (no torch, no CUDA).
+"""
+
+from __future__ import annotations
+
+from .allocators import A_ROUNDING, SIGNAL_PAD
+from .common import element_size
+from .cutedsl import CUTEDSL_PLANNED_RANGES, CUTEDSL_TP_SIZES
+from .entry import needs_group_multicast_vote, plan_for
+from .mnnvl import MNNVL_MAX_BUFFER, MNNVL_ONE_SHOT_THRESHOLD
+from .trtllm import BARRIER_FLAG_COUNT, LAMPORT_BUFFERS, MAX_COMM_SIZE
+from .versions import (
+    NEWEST,
+    RANGES,
+    Traits,
+    flashinfer_version,
+    is_unknown,
+    parse_version,
+    range_of,
+    traits,
+)
+
+plan = plan_for  # the name ``_releases.plan`` had; ``plan_for`` is the one to call
+
+__all__ = [
+    "A_ROUNDING", "BARRIER_FLAG_COUNT", "CUTEDSL_PLANNED_RANGES", "CUTEDSL_TP_SIZES",
+    "LAMPORT_BUFFERS", "MAX_COMM_SIZE", "MNNVL_MAX_BUFFER", "MNNVL_ONE_SHOT_THRESHOLD",
+    "NEWEST", "RANGES", "SIGNAL_PAD", "Traits", "element_size", "flashinfer_version",
+    "is_unknown", "needs_group_multicast_vote", "parse_version", "plan", "plan_for",
+    "range_of", "traits",
+]

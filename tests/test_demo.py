@@ -1,0 +1,54 @@
+"""``python -m flashinfer_safe_workspace demo``: real local ranks over gloo, the real
+wrapper and decision, a simulated device (no GPU here). The demo reports what the
+decision logged (its decision line), read back with the documented parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from flashinfer_safe_workspace import _facts, _probe, rules
+from flashinfer_safe_workspace._plan import MiB, Request
+
+TIMEOUT = 180
+
+
+def demo(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_SAFE_WORKSPACE")}
+    proc = subprocess.run([sys.executable, "-m", "flashinfer_safe_workspace", "demo", "--json",
+                           "--mode", "simulated", "--world-size", "2", "--vote-timeout", "20",
+                           *args], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc, rows
+
+
+def _plan_bytes() -> int:
+    facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 40), confidential_compute=False,
+                                 world_size=2)
+    plan = rules.plan_for(Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16"), facts,
+                          rules.flashinfer_version())
+    return plan.peak_bytes
+
+
+def test_a_starved_rank_vetoes_on_both_ranks():
+    proc, rows = demo("--starve-rank", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["outcome"] == "None (vetoed)" and r["vote"] == "no"
+        assert r["plan_bytes"] == _plan_bytes()  # the decision line's plan = the rules' plan
+        assert r["ranks"] == [0, 1]
+        assert "rank 0 (cuda:0)" in r["reason"] and "OUT_OF_MEMORY" in r["reason"]
+    assert rows[0]["probe"] == "no" and rows[1]["probe"] == "ok"
+    assert rows[0]["free_bytes"] == _plan_bytes() + 512 * MiB - 64 * MiB
+
+
+def test_with_room_everywhere_flashinfer_is_called_on_both():
+    proc, rows = demo()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in rows:
+        assert r["vote"] == "yes" and r["probe"] == "ok" and r["reason"] == ""
+        # CPU only: FlashInfer itself is called and fails on its own (no CUDA here)
+        assert r["outcome"].startswith(("created", "FlashInfer was called")), r["outcome"]
