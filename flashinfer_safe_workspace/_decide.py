@@ -13,7 +13,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from . import _audit, _config, _explain, _group, _probe, _request, _store, _vote
+from . import (_allgather, _audit, _config, _explain, _group, _probe, _request, _round, _store,
+               _vote)
 from ._explain import VetoInfo
 from ._log import internal_error, logger, rank_tag
 from . import _plan
@@ -207,10 +208,10 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
 
 def _round_for(members, ident, deadline, settings, args=None):
     if members.kind == "store":
-        return _vote.StoreRound(_store.line(settings.vote_timeout), members.ranks, members.me,
+        return _round.StoreRound(_store.line(settings.vote_timeout), members.ranks, members.me,
                                 ident, deadline, members.label, args)
     if members.kind == "allgather":
-        return _vote.AllgatherRound(members.comm, members.size, members.me, ident, deadline,
+        return _allgather.AllgatherRound(members.comm, members.size, members.me, ident, deadline,
                                     members.label)
     return _vote.LocalRound(members.label)
 

@@ -19,7 +19,8 @@ import pytest
 
 from conformance import runner, standins
 from flashinfer_safe_workspace import _audit
-from flashinfer_safe_workspace._plan import Plan, make_plan
+from flashinfer_safe_workspace._plan import Plan
+from flashinfer_safe_workspace.rules import plan_for as make_plan
 from harness import run_python
 
 try:
@@ -136,7 +137,7 @@ def test_audit_ok_for_flashinfers_real_creation(installed, spec):
 
 def test_cutedsl_symmetric_blocks_are_observed(installed):
     """Allocator D (0.7.4 mnnvl-cutedsl, stand-in Blackwell): torch symmetric blocks."""
-    from flashinfer_safe_workspace import _releases
+    from flashinfer_safe_workspace import rules as _releases
 
     if _releases.range_of(VERSION) not in _releases.CUTEDSL_PLANNED_RANGES:
         pytest.skip("allocator D is planned for 0.7.4 only")

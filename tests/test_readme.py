@@ -40,3 +40,17 @@ def test_readme_engine_rows_match_the_verified_table():
             rows[(m[1], m[2].strip())] = {"none": m[3], "raise": m[4], "auto": m[5]}
     assert rows, "README has no verified engine rows"
     assert rows == verified
+
+
+def test_layout_section_lists_exactly_the_package_files():
+    """The README's Layout section and the package tree name the same modules."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    listed = set(re.findall(r"^\s+(_\w+\.py|\w+/)\s", layout, re.M))
+    pkg = ROOT / "flashinfer_safe_workspace"
+    present = {p.name for p in pkg.glob("_*.py")} - {"__init__.py", "__main__.py", "_version.py"}
+    present |= {p.name + "/" for p in pkg.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    listed.discard("flashinfer_safe_workspace/")
+    assert listed == present, (sorted(listed - present), sorted(present - listed))

@@ -50,22 +50,29 @@ def test_malformed_value_warns_once_and_stays_off():
 
 
 def test_on_wraps_after_import_flashinfer_comm_without_importing_us():
-    code = ("import flashinfer.comm as c, json\n"
-            "print('OUT' + json.dumps([hasattr(c.create_allreduce_fusion_workspace, '__wrapped__'),"
-            " hasattr(c.trtllm_create_ipc_workspace_for_all_reduce_fusion, '__wrapped__'),"
-            " c.create_allreduce_fusion_workspace.__wrapped__.__wrapped__ is None"
-            " if hasattr(c.create_allreduce_fusion_workspace.__wrapped__, '__wrapped__') else True]))")
+    """The variable alone (the .pth) wraps both functions with OUR proxy, which still
+    reaches FlashInfer's own function."""
+    code = ("import flashinfer.comm as c, json, inspect\n"
+            "from flashinfer_safe_workspace import _patch\n"
+            "u, l = c.create_allreduce_fusion_workspace, c.trtllm_create_ipc_workspace_for_all_reduce_fusion\n"
+            "print('OUT' + json.dumps([_patch.is_ours(u), _patch.is_ours(l),"
+            " u.__wrapped__.__module__, u.__wrapped__.__name__,"
+            " _patch.is_ours(u.__wrapped__), 'backend' in inspect.signature(u).parameters]))")
     proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": "1"})
     assert proc.returncode == 0, proc.stderr
     out = json.loads([l for l in proc.stdout.splitlines() if l.startswith("OUT")][-1][3:])
-    assert out[0] and out[1]
+    assert out == [True, True, "flashinfer.comm.allreduce", "create_allreduce_fusion_workspace",
+                   False, True]
 
 
 def test_off_leaves_flashinfer_unwrapped():
-    code = ("import flashinfer.comm as c\n"
-            "print('OUT', hasattr(c.create_allreduce_fusion_workspace, '__wrapped__'))")
+    code = ("import flashinfer.comm as c, sys\n"
+            "from flashinfer.comm import allreduce\n"
+            "print('OUT', hasattr(c.create_allreduce_fusion_workspace, '__wrapped__'),"
+            " c.create_allreduce_fusion_workspace is allreduce.create_allreduce_fusion_workspace,"
+            " 'flashinfer_safe_workspace' in sys.modules)")
     proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": "0"})
-    assert "OUT False" in proc.stdout
+    assert "OUT False True False" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_no_site_flag_disables_the_pth():
@@ -76,7 +83,8 @@ def test_no_site_flag_disables_the_pth():
 def test_child_processes_inherit_activation():
     code = ("import subprocess, sys\n"
             "r = subprocess.run([sys.executable, '-c', 'import flashinfer.comm as c; "
-            "print(hasattr(c.create_allreduce_fusion_workspace, \"__wrapped__\"))'],"
+            "from flashinfer_safe_workspace import _patch; "
+            "print(_patch.is_ours(c.create_allreduce_fusion_workspace))'],"
             " capture_output=True, text=True, timeout=60)\n"
             "print('OUT', r.stdout.strip())")
     proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": "1"}, timeout=90)
