@@ -92,8 +92,8 @@ def veto(outcome: "_vote.Outcome", members, plan, record: Optional[dict]) -> Vet
             reasons.add(cand.get("r"))
         named.append(record.get("rank"))
     if outcome.followed:
-        details.append(f"the group decided this call before this rank arrived "
-                       f"({outcome.register.get('why', 'abort')})")
+        details.append(f"{outcome.register.get('why', 'abort')} (decided before this rank "
+                       "arrived)")
     elif outcome.missing:
         absent = list(outcome.absent)
         lead = (f"ranks {absent} did not answer in time" if absent

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Optional
 
-from . import _store, _vote
+from . import _explain, _store, _vote
 from ._vote import (ABORT, COMMIT, GRACE_S, MAGIC, PASS, REJOIN_S, Outcome, _is_yes, _loads,
                     _no_text, members_key, resolve)
 
@@ -102,7 +102,9 @@ class StoreRound:
         self.published = True
         out = Outcome(False, key=self._k())
         if not own_yes:  # a no needs nobody else: decide now, and tell peers waiting elsewhere
-            reg = self._write(ABORT, f"rank {self.rank} said no: {_no_text(record)}")
+            reg = self._write(ABORT, "; ".join(_explain.describe(record, cand)
+                                               for cand in record.get("c", {}).values())
+                              or f"rank {self.rank} said no: {_no_text(record)}")
             out.commit, out.register = reg.get("o") == COMMIT, reg
             out.records = self._records_if_all(keys) or [record]
             out.verdict = resolve(out.records) if len(out.records) == len(keys) else None

@@ -29,11 +29,19 @@ def check_report(*, backend: str, world_size: int, max_token_num: int, hidden_di
     from .. import _config, _facts, _plan, _probe, rules
 
     settings = _config.current()
-    headroom = settings.headroom_mb if headroom_mb is None else int(headroom_mb)
+    if headroom_mb is None:  # auto: check sees no engine group, so the NCCL case counts
+        from .. import _headroom
+
+        head_bytes, head_why = _headroom.resolve(settings.headroom_mb, entry="unified",
+                                                 backend=backend, group=None, comm_backend=None)
+        headroom = head_bytes // MiB
+    else:
+        headroom, head_why = int(headroom_mb), "set"
     version = flashinfer_version or rules.flashinfer_version()
     r: dict = {"backend": backend, "world_size": world_size, "max_token_num": max_token_num,
                "hidden_dim": hidden_dim, "dtype": dtype, "device": device,
-               "headroom_bytes": headroom * MiB, "flashinfer_version": version,
+               "headroom_bytes": headroom * MiB, "headroom_why": head_why,
+               "flashinfer_version": version,
                "prober": "simulated" if simulate_free_mb is not None else "cuda",
                "plan": None, "peak_bytes": None, "free_bytes": None, "total_bytes": None,
                "probe_ok": None, "probe_ms": None, "headroom_left_bytes": None, "notes": [],
@@ -121,7 +129,8 @@ def format_check(r: dict) -> str:
         out += ["  " + line for line in r["plan_text"].splitlines()]
     if r["probe_ok"] is not None:
         out.append(f"  free {gib(r['free_bytes'])} of {gib(r['total_bytes'])}; need "
-                   f"{r['peak_bytes'] / MiB:.1f} MiB + headroom {r['headroom_bytes'] / MiB:.0f} MiB;"
+                   f"{r['peak_bytes'] / MiB:.1f} MiB + headroom {r['headroom_bytes'] / MiB:.0f} MiB"
+                   f" ({r.get('headroom_why', 'set')});"
                    f" probe {'ok' if r['probe_ok'] else 'FAILED'} ({r['probe_ms']:.2f} ms)")
         if r["headroom_left_bytes"] is not None:
             out.append(f"  left after plan and headroom: {r['headroom_left_bytes'] / MiB:.1f} MiB")

@@ -120,11 +120,14 @@ def rank_main(args) -> int:
     req = _plan.Request("unified", args.backend, ws, rank, args.max_token_num, args.hidden_dim,
                         args.dtype)
     hog = None
+    from .. import _request
+
+    headroom_bytes = _request.headroom(settings, req, {})[0]  # what the shim will use here
     if use_gpu:
         torch.cuda.set_device(rank)
         facts = _facts.runtime_facts(_probe.CudaProber(), confidential_compute=False,
                                      world_size=ws)
-        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
+        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
         if args.starve_rank == rank:
             hog = _Hog(rank)
             hog.fill(leave=need - args.short_mb * MiB)
@@ -132,7 +135,7 @@ def rank_main(args) -> int:
     else:
         facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 40), confidential_compute=False,
                                      world_size=ws)
-        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + settings.headroom_bytes
+        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
         free = need - args.short_mb * MiB if args.starve_rank == rank else 80 << 30
         _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
         kind = "simulated"
@@ -157,7 +160,7 @@ def rank_main(args) -> int:
     decision_ms = (time.perf_counter() - start) * 1000
     heard.close()
     row = {"rank": rank, "device_kind": kind, "outcome": outcome, "decision_ms": decision_ms,
-           "headroom_bytes": settings.headroom_bytes, "reason": heard.veto or reason}
+           "headroom_bytes": headroom_bytes, "reason": heard.veto or reason}
     line = heard.decision()
     if line is not None:  # the decision line's fields; "outcome" stays what the call gave
         row.update({k: v for k, v in line.items() if k != "outcome"})

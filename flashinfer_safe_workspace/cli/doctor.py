@@ -290,9 +290,14 @@ def format_doctor(r: dict) -> str:
 
         out.append("  " + format_facts(r["facts"]))
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
-    from . import _caller
+    from .. import _audit, _caller
 
     out += ["  " + line for line in _caller.doctor_lines(r["settings"].get("on_veto", "auto"))]
+    last = _audit.last()
+    out.append("  last audit in this process: " + (
+        "none (no workspace created here yet)" if last is None else
+        f"{last.status}" + (f" ({last.reason})" if last.reason else "")
+        + (f"; {last.report_line()}" if last.status == "mismatch" else "")))
     for line in r["why"]:
         out.append(f"  - {line}")
     return "\n".join(out)
