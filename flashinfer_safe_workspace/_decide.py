@@ -208,8 +208,10 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
 
 def _round_for(members, ident, deadline, settings, args=None):
     if members.kind == "store":
-        return _round.StoreRound(_store.line(settings.vote_timeout), members.ranks, members.me,
+        rnd = _round.StoreRound(_store.line(settings.vote_timeout), members.ranks, members.me,
                                 ident, deadline, members.label, args)
+        rnd.line_timeout = settings.vote_timeout
+        return rnd
     if members.kind == "allgather":
         return _allgather.AllgatherRound(members.comm, members.size, members.me, ident, deadline,
                                     members.label)

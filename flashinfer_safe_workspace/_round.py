@@ -36,6 +36,7 @@ class StoreRound:
         self.c: Optional[int] = None
         self.finished = False
         self.published = False
+        self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._aborted: dict = {}  # peer -> board generation of its round we aborted
         self._done_at: dict = {}  # peer -> when we saw it finish that round
 
@@ -136,53 +137,81 @@ class StoreRound:
         return _loads(raw)
 
     def _wait(self, out, record, keys, reg_key, start) -> None:
-        pause, polls, noted = 0.0002, 0, []
-        while True:
-            polls += 1
-            all_in, raw = self._call(
-                lambda s: (s.check(keys), s.get(reg_key) if s.check([reg_key]) else None))
-            if raw is not None:  # somebody decided (an abort: a commit needs our record too)
-                reg = _loads(raw)
-                out.commit, out.register = reg.get("o") == COMMIT, reg
-                if all_in:
-                    out.records = self._records(keys)
-                    out.verdict = resolve(out.records)
-                elif reg.get("mismatch"):
-                    out.records = [record] + reg["mismatch"]
-                    out.verdict = resolve(out.records)
-                break
-            if all_in:
-                out.records = self._records(keys)
-                out.verdict = resolve(out.records)
-                wanted = COMMIT if out.verdict.commit else (PASS if out.verdict.all_pass else ABORT)
-                if wanted != ABORT and time.monotonic() >= self.deadline:
-                    wanted = ABORT
-                reg = self._write(wanted, out.verdict.why)
-                out.commit, out.register = reg.get("o") == COMMIT, reg
-                break
-            if polls == 1 or polls % 8 == 0:  # is a missing peer making another call now?
-                waiting, finished = self._mismatches(record, abort_theirs=True)
-                noted = noted or waiting
-                if finished:  # it decided another call without us: a mismatch, decide now
-                    out.records = [record] + finished
-                    out.verdict = resolve(out.records)
-                    reg = self._write(ABORT, "ranks called with different arguments",
-                                      mismatch=finished)
+        """Wait for the register. The rank whose record completes the set (an atomic count)
+        decides for everyone; the others block on the register in the store itself, over a
+        second connection, so nobody polls; a missing peer's board is looked at now and
+        then, and this rank's deadline ends the wait with an abort."""
+        arrived = self._k("arrived")
+        if self._call(lambda s: s.add(arrived, 1)) >= len(self.ranks):
+            self._decide_all(out, keys)
+            return
+        op = _store.waiter(self.line_timeout).submit(lambda s: s.get(reg_key))
+        try:
+            noted, board_at = [], time.monotonic() + 0.002
+            while True:
+                now = time.monotonic()
+                op.done.wait(max(min(_store.SLICE_S, board_at - now, self.deadline - now), 0))
+                if op.done.is_set() and op.error is None:
+                    self._follow(out, record, keys, _loads(op.value))
+                    return
+                if op.done.is_set():  # the waiting line failed: read the register here
+                    raw = self._call(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
+                    if raw is not None:
+                        self._follow(out, record, keys, _loads(raw))
+                        return
+                    op = _store.waiter(self.line_timeout).submit(lambda s: s.get(reg_key))
+                now = time.monotonic()
+                if now >= board_at:  # is a missing peer making another call right now?
+                    board_at = now + 0.05
+                    # (and the register itself, here too: the waiting line may be busy with
+                    # another thread's round)
+                    raw = self._call(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
+                    if raw is not None:
+                        self._follow(out, record, keys, _loads(raw))
+                        return
+                    waiting, finished = self._mismatches(record, abort_theirs=True)
+                    noted = noted or waiting
+                    if finished:  # it decided another call without us: a mismatch
+                        out.records = [record] + finished
+                        out.verdict = resolve(out.records)
+                        reg = self._write(ABORT, "ranks called with different arguments",
+                                          mismatch=finished)
+                        out.commit, out.register = reg.get("o") == COMMIT, reg
+                        return
+                if now >= self.deadline:
+                    absent = self._absent(keys)
+                    out.absent = tuple(absent)
+                    out.missing = (f"timed out after {now - start:.1f} s waiting for ranks "
+                                   f"{absent}" if absent else "timed out")
+                    reg = self._write(ABORT, out.missing)
                     out.commit, out.register = reg.get("o") == COMMIT, reg
-                    break
-            if time.monotonic() >= self.deadline:
-                absent = self._absent(keys)
-                out.absent = tuple(absent)
-                out.missing = (f"timed out after {time.monotonic() - start:.1f} s waiting for "
-                               f"ranks {absent}" if absent else "timed out")
-                reg = self._write(ABORT, out.missing)
-                out.commit, out.register = reg.get("o") == COMMIT, reg
-                if noted:  # the peers we saw making another call, for the message
-                    out.records = [record] + noted
-                    out.verdict = resolve(out.records)
-                break
-            time.sleep(min(pause, max(self.deadline - time.monotonic(), 0)))
-            pause = min(pause * 2, 0.005)
+                    if noted:  # the peers we saw making another call, for the message
+                        out.records = [record] + noted
+                        out.verdict = resolve(out.records)
+                    return
+        finally:
+            _store.forget(op)
+
+    def _decide_all(self, out, keys) -> None:
+        out.records = self._records(keys)
+        out.verdict = resolve(out.records)
+        wanted = COMMIT if out.verdict.commit else (PASS if out.verdict.all_pass else ABORT)
+        if wanted != ABORT and time.monotonic() >= self.deadline:
+            wanted = ABORT
+        reg = self._write(wanted, out.verdict.why)
+        out.commit, out.register = reg.get("o") == COMMIT, reg
+
+    def _follow(self, out, record, keys, reg) -> None:
+        out.commit, out.register = reg.get("o") == COMMIT, reg
+        if out.commit:
+            return
+        if reg.get("mismatch"):
+            out.records = [record] + reg["mismatch"]
+            out.verdict = resolve(out.records)
+            return
+        records = self._records_if_all(keys)
+        if records:
+            out.records, out.verdict = records, resolve(records)
 
     def _mismatches(self, record, abort_theirs: bool) -> tuple:
         """Peers whose board shows a call newer than the last one we saw, at another round:
@@ -286,7 +315,7 @@ class StoreRound:
             return
         self.finished = True
         done_key, size, mkey = self._k("done"), len(self.ranks), self.mkey
-        keys = self._rec_keys() + [self._k("reg"), done_key]
+        keys = self._rec_keys() + [self._k("reg"), self._k("arrived"), done_key]
         boards = [(r, self._board(r)) for r in self.ranks]
         me, published = self.rank, self.published
 

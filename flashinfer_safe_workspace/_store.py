@@ -150,9 +150,29 @@ def line(vote_timeout_s: float) -> StoreLine:
         return _line
 
 
+_waiter: Optional[StoreLine] = None
+
+
+def waiter(vote_timeout_s: float) -> StoreLine:
+    """A second line, only for blocking reads of a register (``get`` waits in the store until
+    the key exists): nobody polls, and the first line stays free for writes."""
+    global _waiter, _op_timeout_s
+    with _line_lock:
+        _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
+        if _waiter is None:
+            _waiter = StoreLine(_open_clone)
+        return _waiter
+
+
+def forget(op) -> None:
+    """The caller no longer wants ``op``: if it has not started, it never runs."""
+    if op is not None and not op.started:
+        op.cancelled = True
+
+
 def _after_fork_in_child():
-    global _line, _line_lock
-    _line = None
+    global _line, _line_lock, _waiter
+    _line = _waiter = None
     _line_lock = threading.Lock()
 
 
