@@ -42,9 +42,11 @@ MiB = 1 << 20
 
 # The small reserve: FlashInfer's first-load JIT module, the caching allocator's first
 # segments for its small tables (2 MiB each) and the driver's tails, measured as the
-# drop in free memory around a creation minus the plan (first and a later creation of
-# a process). The GPU measurement is not made yet: 64 MiB until it replaces this.
-# (The 2×H200 boundary sweep in docs/gpu-report.md saw 2–4 MiB of such tails.)
+# drop in free memory around a creation minus the plan: on the H200, for four shapes,
+# 6 MiB at the first creation of a process and 0 MiB at later ones (docs/gpu-report.md,
+# case q, at 073983d; `scripts/gpu-check --one-gpu`). 64 MiB keeps ten times that, for
+# shapes, releases and drivers not measured: a tail that does not fit makes FlashInfer
+# fail on one rank after the vote, which is the hang this library exists to prevent.
 SMALL_RESERVE_MB = 64
 
 # NCCL's lazy communicator start-up inside FlashInfer's first collective. On H200 a
