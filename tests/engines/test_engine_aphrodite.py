@@ -15,7 +15,7 @@ LOGGER = "aphrodite.distributed.device_communicators.flashinfer_all_reduce"
 @pytest.mark.parametrize("mode", MODES)
 def test_aphrodite_0241(mode):
     root = engine_root("aphrodite-engine", "0.24.1")
-    reports = run_ranks("aphrodite-engine", "0.24.1", root, [80 * 1024, 256])[mode]
+    reports = run_ranks("aphrodite-engine", "0.24.1", root, [80 * 1024, 16])[mode]
     check_answers(reports, mode, LOGGER)
     for rank, r in enumerate(reports):
         assert all(d["outcome"] == "veto" and d["ranks"] == [0, 1] for d in r["decisions"])
@@ -32,7 +32,7 @@ def test_aphrodite_0241(mode):
             assert err["type"] == "RuntimeError" and "different process group" in err["message"]
             observed = "non-fused, RuntimeError for a 2nd group"
         else:
-            assert any("not created on any rank" in m for m in warnings)
+            assert any("not created on any of ranks" in m for m in warnings)
             assert r["none_registered"] is False and r["quant_other_group"] == "None"
             observed = "non-fused"
         check_doc("aphrodite-engine", "0.24.1", mode, observed)

@@ -20,12 +20,12 @@ CALLER = "lmdeploy.pytorch.backends.cuda.comm.flashinfer_allreduce"
 @pytest.mark.parametrize("mode", MODES)
 def test_lmdeploy_018_ends_non_fused(mode):
     root = engine_root("lmdeploy", "0.18.0")
-    reports = run_ranks("lmdeploy", "0.18.0", root, [80 * 1024, 256])[mode]
+    reports = run_ranks("lmdeploy", "0.18.0", root, [80 * 1024, 16])[mode]
     check_answers(reports, mode, CALLER)
     for rank, r in enumerate(reports):
         (d,) = r["decisions"]  # disabled after the first failure: never asks again
         assert d["outcome"] == "veto" and d["backend"] == "trtllm" and d["ranks"] == [0, 1]
-        assert d["probe"] == ("no" if rank == 1 else "ok")
+        assert d["probe"] == "no" if rank == 1 else d["probe"] in ("ok", "-")  # "-": arrived after the no, followed it
         # all_reduce_ returns False: the caller runs its NCCL all-reduce (non-fused)
         assert r["all_reduce_first"] is False and r["all_reduce_second"] is False
         assert r["disabled"] is True and r["fused"] == "None"
@@ -33,5 +33,5 @@ def test_lmdeploy_018_ends_non_fused(mode):
         if mode == "none":
             assert any("workspace creation returned None" in m for m in warnings)
         else:
-            assert any("not created on any rank" in m for m in warnings)
+            assert any("not created on any of ranks" in m for m in warnings)
         check_doc("lmdeploy", "0.18.0", mode, "non-fused")

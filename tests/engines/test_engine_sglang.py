@@ -35,7 +35,7 @@ def test_sglang_0523_ends_non_fused(s0523, mode):
         assert r["bound_is_wrapped"] is True  # SGLang binds the function at import: ours
         (d,) = r["decisions"]  # one vote; the second op call never asks again
         assert d["outcome"] == "veto" and d["ranks"] == [0, 1] and d["backend"] == "trtllm"
-        assert d["probe"] == ("no" if rank == 1 else "ok")
+        assert d["probe"] == "no" if rank == 1 else d["probe"] in ("ok", "-")  # "-": arrived after the no, followed it
         assert r["op_first"] == {"returned": [None, None]}  # the caller's non-fused path
         assert r["op_second"] == {"returned": [None, None]}
         assert r["unavailable"] is True and r["manager_initialized"] is False
@@ -46,14 +46,14 @@ def test_sglang_0523_ends_non_fused(s0523, mode):
             assert any("'NoneType' object has no attribute 'is_buffer_size_sufficient'" in m
                        for m in warnings)
         else:
-            assert any("not created on any rank" in m for m in warnings)
+            assert any("not created on any of ranks" in m for m in warnings)
         check_doc("SGLang", "0.5.23", mode, "non-fused")
 
 
 def test_sglang_0523_own_preflight_vetoes_first(s0523):
-    """With 256 MiB free on rank 1 SGLang's own preflight says no on every rank and the
+    """With 16 MiB free on rank 1 SGLang's own preflight says no on every rank and the
     wrapped function is never called: no decision, no vote of ours."""
-    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 256], modes=("raise",))["raise"]
+    reports = run_ranks("sglang", "0.5.23", s0523, [80 * 1024, 16], modes=("raise",))["raise"]
     for r in reports:
         assert r["decisions"] == []
         assert r["op_first"] == {"returned": [None, None]}
@@ -69,11 +69,11 @@ def s0510():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sglang_0510_none_crashes_in_forward_raise_falls_back(s0510, mode):
-    reports = run_ranks("sglang", "0.5.10.post1", s0510, [80 * 1024, 256])[mode]
+    reports = run_ranks("sglang", "0.5.10.post1", s0510, [80 * 1024, 16])[mode]
     check_answers(reports, mode, LOGGER)
     for rank, r in enumerate(reports):
         (d,) = r["decisions"]  # the retry on the next call is served by the veto cache
-        assert d["outcome"] == "veto" and d["probe"] == ("no" if rank == 1 else "ok")
+        assert d["outcome"] == "veto" and (d["probe"] == "no" if rank == 1 else d["probe"] in ("ok", "-"))
         if mode == "none":
             # None is stored as an initialized workspace and handed to allreduce_fusion
             assert r["manager_initialized"] is True and r["manager_workspace"] == "None"
@@ -87,7 +87,7 @@ def test_sglang_0510_none_crashes_in_forward_raise_falls_back(s0510, mode):
             assert r["op_first"] == {"returned": [None, None]}
             assert r["op_second"] == {"returned": [None, None]}
             assert r["unavailable"] is True and r["manager_initialized"] is False
-            assert any("not created on any rank" in m for m in messages(r, LOGGER))
+            assert any("not created on any of ranks" in m for m in messages(r, LOGGER))
             observed = "non-fused"
         check_doc("SGLang", "0.5.10.post1", mode, observed)
 
@@ -113,7 +113,7 @@ def test_sglang_014_019_layer_output_against_the_non_fused_reference(version, mo
              "sglang/srt/layers/layernorm.py"])
         (d,) = r["decisions"]  # repeats, if any, are answered by the veto cache
         assert d["outcome"] == "veto" and d["ranks"] == [0, 1] and d["backend"] == "trtllm"
-        assert d["probe"] == ("no" if rank == 1 else "ok")
+        assert d["probe"] == "no" if rank == 1 else d["probe"] in ("ok", "-")  # "-": arrived after the no, followed it
         (a, b) = r["layers"]
         if version == "0.5.14" and mode == "none":
             # None stored with initialized=True; the communicator keeps deferring the
@@ -159,14 +159,14 @@ def test_sglang_058_legacy_op_raises_on_every_rank(mode):
     the forward, with no ``try``: ``WorkspaceVetoed`` on every rank in every mode (the
     legacy entry always raises), on each call (the veto cache answers the repeat)."""
     root = engine_root("sglang", "0.5.8")
-    reports = run_ranks("sglang", "0.5.8", root, [80 * 1024, 256])[mode]
+    reports = run_ranks("sglang", "0.5.8", root, [80 * 1024, 16])[mode]
     check_answers(reports, mode, LOGGER, legacy=True)
     for rank, r in enumerate(reports):
         (d,) = r["decisions"]
         assert d["entry"] == "legacy" and d["ranks"] == [0, 1]
-        assert d["probe"] == ("no" if rank == 1 else "ok")
+        assert d["probe"] == "no" if rank == 1 else d["probe"] in ("ok", "-")  # "-": arrived after the no, followed it
         for call in ("op_first", "op_second"):
             err = r[call]["raised"]
-            assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+            assert err["type"] == "WorkspaceVetoed" and "not created on any of ranks" in err["message"]
         assert r["manager_initialized"] is False
     check_doc("SGLang", "0.5.8", mode, "crash in forward: WorkspaceVetoed on every rank")

@@ -1,6 +1,6 @@
 """vLLM's real workspace-creation code (from its released wheels) under the shim's veto.
 
-Two ranks over real gloo groups; rank 1's simulated GPU has 256 MiB free, so its
+Two ranks over real gloo groups; rank 1's simulated GPU has 16 MiB free, so its
 probe (plan + 512 MiB headroom) fails and the vote vetoes on both ranks. What vLLM
 then does is its own code: ``vllm/distributed/device_communicators/flashinfer_all_reduce.py``
 of each release, fetched at test time (see ``_wheels.py``; stand-ins in
@@ -16,7 +16,7 @@ import pytest
 from _engines import VLLM_PASS, guarded_by_except_exception, none_check_disables
 from _runner import MODES, check_answers, check_doc, engine_root, messages, run_ranks
 
-FREE = [80 * 1024, 256]  # MiB per rank: rank 1 is short
+FREE = [80 * 1024, 16]  # MiB per rank: rank 1 is short of any plan plus any headroom
 LOGGER = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 
 
@@ -24,8 +24,10 @@ def _common(reports):
     for rank, r in enumerate(reports):
         assert r["real_files"][0].endswith(("flashinfer_all_reduce.py", "collective_fusion.py"))
         assert all(d["outcome"] == "veto" and d["ranks"] == [0, 1] for d in r["decisions"])
-        assert [d["probe"] for d in r["decisions"]] == (["ok"] * len(r["decisions"]) if rank == 0
-                                                        else ["no"] * len(r["decisions"]))
+        # rank 1 (short) probes and says no every time; rank 0 probes ("ok") unless it came
+        # after rank 1's no had decided the round ("-": it followed without probing)
+        probes = [d["probe"] for d in r["decisions"]]
+        assert all(p in ("ok", "-") for p in probes) if rank == 0 else probes == ["no"] * len(probes)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def test_vllm_033_ends_non_fused(v033, mode):
             assert err["type"] == "RuntimeError" and "different process group" in err["message"]
             observed = "non-fused, RuntimeError for a 2nd group"
         else:  # raise, and auto (a vllm. caller)
-            assert any("not created on any rank" in m for m in warnings)
+            assert any("not created on any of ranks" in m for m in warnings)
             assert r["none_registered"] is False
             assert r["quant_other_group"] == "None"
             observed = "non-fused"
@@ -89,7 +91,7 @@ def test_vllm_017_018_end_non_fused(version, mode):
             # `assert _fi_ar_workspace is not None` in initialize_fi_ar_workspace
             assert err["type"] == "AssertionError" and err["where"] == "flashinfer_all_reduce.py"
         else:
-            assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+            assert err["type"] == "WorkspaceVetoed" and "not created on any of ranks" in err["message"]
         assert r["workspace"] == "None"
         assert r["standalone_ensure"] is False and r["standalone_disabled"] is True
         assert any("FlashInfer All Reduce will be disabled" in m
@@ -148,7 +150,7 @@ def test_vllm_015_legacy_pass_fails_start_up_on_every_rank(mode):
         (d,) = r["decisions"]
         assert d["entry"] == "legacy" and d["backend"] == "trtllm"
         err = r["pass_error"]
-        assert err["type"] == "WorkspaceVetoed" and "not created on any rank" in err["message"]
+        assert err["type"] == "WorkspaceVetoed" and "not created on any of ranks" in err["message"]
     check_doc("vLLM", "0.15.0", mode, "clean start-up failure on every rank")
 
 
