@@ -99,13 +99,18 @@ class StoreRound:
                             "a": self.args})
         payload = json.dumps(record, sort_keys=True, default=str)
         board_key = self._board(self.rank)
-        self._call(lambda s: (s.set(board_key, board), s.set(mine, payload)))
-        self.published = True
         out = Outcome(False, key=self._k())
-        if not own_yes:  # a no needs nobody else: decide now, and tell peers waiting elsewhere
-            reg = self._write(ABORT, "; ".join(_explain.describe(record, cand)
-                                               for cand in record.get("c", {}).values())
-                              or f"rank {self.rank} said no: {_no_text(record)}")
+        if own_yes:
+            self._call(lambda s: (s.set(board_key, board), s.set(mine, payload)))
+            self.published = True
+        if not own_yes:  # a no needs nobody else: the abort first, then the record
+            why = ("; ".join(_explain.describe(record, cand) for cand in record.get("c", {}).values())
+                   or f"rank {self.rank} said no: {_no_text(record)}")
+            value = json.dumps({"o": ABORT, "by": self.rank, "why": why[:500]})
+            raw = self._call(lambda s: (s.compare_set(reg_key, "", value),
+                                        s.set(board_key, board), s.set(mine, payload))[0])
+            self.published = True
+            reg = _loads(raw)
             out.commit, out.register = reg.get("o") == COMMIT, reg
             out.records = self._records_if_all(keys) or [record]
             out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
@@ -145,30 +150,35 @@ class StoreRound:
         if self._call(lambda s: s.add(arrived, 1)) >= len(self.ranks):
             self._decide_all(out, keys)
             return
-        op = _store.waiter(self.line_timeout).submit(lambda s: s.get(reg_key))
+        line = _store.waiter(self.line_timeout)
+        op = self._blocking_read(line, reg_key)
         try:
             noted, board_at = [], time.monotonic() + 0.002
             while True:
                 now = time.monotonic()
-                op.done.wait(max(min(_store.SLICE_S, board_at - now, self.deadline - now), 0))
-                if op.done.is_set() and op.error is None:
-                    self._follow(out, record, keys, _loads(op.value))
-                    return
-                if op.done.is_set():  # the waiting line failed: read the register here
-                    raw = self._call(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
+                if op is not None:
+                    op.done.wait(max(min(_store.SLICE_S, board_at - now, self.deadline - now), 0))
+                    if op.done.is_set():
+                        if op.error is None and op.value is not None:
+                            self._follow(out, record, keys, _loads(op.value))
+                            return
+                        op = None  # no waiting line, or its read timed out: poll here
+                else:
+                    time.sleep(max(min(0.005, board_at - now, self.deadline - now), 0))
+                now = time.monotonic()
+                if op is None or now >= board_at:
+                    # the register (the waiting line may be busy with another thread's round)
+                    # and the records (a decider that stopped after its count)
+                    all_in, raw = self._call(lambda s: (
+                        s.check(keys), s.get(reg_key) if s.check([reg_key]) else None))
                     if raw is not None:
                         self._follow(out, record, keys, _loads(raw))
                         return
-                    op = _store.waiter(self.line_timeout).submit(lambda s: s.get(reg_key))
-                now = time.monotonic()
+                    if all_in:
+                        self._decide_all(out, keys)
+                        return
                 if now >= board_at:  # is a missing peer making another call right now?
                     board_at = now + 0.05
-                    # (and the register itself, here too: the waiting line may be busy with
-                    # another thread's round)
-                    raw = self._call(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
-                    if raw is not None:
-                        self._follow(out, record, keys, _loads(raw))
-                        return
                     waiting, finished = self._mismatches(record, abort_theirs=True)
                     noted = noted or waiting
                     if finished:  # it decided another call without us: a mismatch
@@ -190,7 +200,25 @@ class StoreRound:
                         out.verdict = resolve(out.records)
                     return
         finally:
-            _store.forget(op)
+            _store.forget(line, op)
+
+    def _blocking_read(self, line, reg_key):
+        """A read of the register that waits in the store itself, bounded by this round's
+        deadline (the op returns None when the key did not appear in time)."""
+        import datetime
+
+        until = self.deadline + GRACE_S
+
+        def read(s):
+            left = until - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                s.wait([reg_key], datetime.timedelta(seconds=left))
+            except Exception:  # noqa: BLE001 - timed out: the caller decides
+                return None
+            return s.get(reg_key)
+        return line.submit(read)
 
     def _decide_all(self, out, keys) -> None:
         out.records = self._records(keys)

@@ -63,6 +63,19 @@ class StoreLine:
             with self._wake:
                 while not self._queue:
                     self._wake.wait()
+            if self._store is None:  # connect before any op counts as started: an op given
+                try:                 # up meanwhile is then never sent
+                    self._store = self._opener()
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting op
+                    with self._wake:
+                        op = self._queue.popleft() if self._queue else None
+                    if op is not None:
+                        op.error = exc
+                        op.done.set()
+                    continue
+            with self._wake:
+                if not self._queue:
+                    continue
                 op = self._queue.popleft()
                 if op.cancelled:
                     op.done.set()
@@ -70,14 +83,18 @@ class StoreLine:
                 op.started = True
             self.busy_since = time.monotonic()
             try:
-                if self._store is None:
-                    self._store = self._opener()
                 op.value = op.fn(self._store)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc
             finally:
                 self.busy_since = None
                 op.done.set()
+
+    def forget(self, op) -> None:
+        """The caller no longer wants ``op``: if it has not started, it never runs."""
+        with self._wake:
+            if not op.started:
+                op.cancelled = True
 
     def _start(self):
         if self._thread is None or not self._thread.is_alive():
@@ -117,8 +134,10 @@ class StoreLine:
         return 0.0 if since is None else time.monotonic() - since
 
 
-def _open_clone():
-    """Our own connection to the default store (same keys, same prefix as the host's)."""
+def _open_clone(strict: bool = False):
+    """Our own connection to the default store (same keys, same prefix as the host's).
+    A store without ``clone()`` is used as it is, except for the waiting line (``strict``):
+    a blocking read there would hold up the host's own operations on that object."""
     import datetime
 
     from torch.distributed import distributed_c10d as c10d
@@ -126,7 +145,9 @@ def _open_clone():
     store = c10d._get_default_store()
     try:
         mine = store.clone()
-    except Exception:  # noqa: BLE001 - a store without clone(): use it as it is
+    except Exception:  # noqa: BLE001 - a store without clone()
+        if strict:
+            raise StoreUnavailable("the default store cannot be cloned: no waiting line")
         return store
     try:
         mine.set_timeout(datetime.timedelta(seconds=_op_timeout_s))
@@ -160,14 +181,13 @@ def waiter(vote_timeout_s: float) -> StoreLine:
     with _line_lock:
         _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
         if _waiter is None:
-            _waiter = StoreLine(_open_clone)
+            _waiter = StoreLine(lambda: _open_clone(strict=True))
         return _waiter
 
 
-def forget(op) -> None:
-    """The caller no longer wants ``op``: if it has not started, it never runs."""
-    if op is not None and not op.started:
-        op.cancelled = True
+def forget(line_, op) -> None:
+    if line_ is not None and op is not None:
+        line_.forget(op)
 
 
 def _after_fork_in_child():

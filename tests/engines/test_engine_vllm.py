@@ -52,7 +52,8 @@ def test_vllm_033_ends_non_fused(v033, mode):
         assert any("Failed to initialize FlashInfer Allreduce norm fusion workspace "
                    "with backend=trtllm" in m for m in errors)
         # vLLM labels any error mentioning "multicast" as expected on GPUs without NVSwitch
-        assert "multicast" not in r["report"]["message"].lower()
+        # (our veto message, which vLLM logs in raise/auto mode, must not say it)
+        assert not any("multicast" in m.lower() for m in warnings + errors)
         if mode == "none":
             # mnnvl: None.destroy() -> AttributeError, caught and logged as a failure
             assert any("'NoneType' object has no attribute 'destroy'" in m for m in warnings)
