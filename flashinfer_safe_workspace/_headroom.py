@@ -44,7 +44,7 @@ MiB = 1 << 20
 # segments for its small tables (2 MiB each) and the driver's tails, measured as the
 # drop in free memory around a creation minus the plan: on the H200, for four shapes,
 # 6 MiB at the first creation of a process and 0 MiB at later ones (docs/gpu-report.md,
-# case q, at 073983d; `scripts/gpu-check --one-gpu`). 64 MiB keeps ten times that, for
+# case q, at 394b586; `scripts/gpu-check --one-gpu`). 64 MiB keeps ten times that, for
 # shapes, releases and drivers not measured: a tail that does not fit makes FlashInfer
 # fail on one rank after the vote, which is the hang this library exists to prevent.
 SMALL_RESERVE_MB = 64
