@@ -53,7 +53,8 @@ def test_vllm_033_ends_non_fused(v033, mode):
                    "with backend=trtllm" in m for m in errors)
         # vLLM labels any error mentioning "multicast" as expected on GPUs without NVSwitch
         # (our veto message, which vLLM logs in raise/auto mode, must not say it)
-        assert not any("multicast" in m.lower() for m in warnings + errors)
+        ours = [m for m in warnings + errors if "not created on any of ranks" in m]
+        assert not any("multicast" in m.lower() for m in ours)
         if mode == "none":
             # mnnvl: None.destroy() -> AttributeError, caught and logged as a failure
             assert any("'NoneType' object has no attribute 'destroy'" in m for m in warnings)
@@ -120,7 +121,8 @@ def test_vllm_020_026_end_non_fused(version, mode):
     first = ["trtllm"] if version == "0.20.0" else ["mnnvl", "trtllm"]
     for r in reports:
         backends = [d["backend"] for d in r["decisions"]]
-        assert backends == first + ["trtllm"]  # + the quant workspace (another size)
+        # then the quant workspace (another size: another call, decided afresh the same way)
+        assert backends == first + first
         assert r["workspace"] == "None" and r["again"] == "None"
         assert r["none_registered"] is False and r["quant_other_group"] == "None"
         assert r["standalone_enabled_before"] and r["standalone_ensure"] is False
