@@ -183,9 +183,9 @@ def _one_granule_short(plan):
 
 def test_wrong_plan_mismatch_warns_once_and_raises_the_next_plan(installed, caplog):
     rec, keep = installed
-    spec = Spec("trtllm", 2, 0, 3000, 4096, "bfloat16", "h200")
+    spec = Spec("trtllm", 2, 0, 3008, 4096, "bfloat16", "h200")
     caplog.set_level(logging.WARNING, logger="flashinfer_safe_workspace")
-    identity = ("unified", "trtllm", 2, 3000, 4096, "bfloat16")
+    identity = ("unified", "trtllm", 2, 3008, 4096, "bfloat16")
     first, _, wrong = _audited(rec, keep, spec, plan_change=_one_granule_short,
                                identity=identity)
     assert first.status == "mismatch", first.report_line()
@@ -374,6 +374,6 @@ print("RESULT", drv.__name__, inside, after, refused, audit.seen == [],
 """
     proc = run_python(code)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT")), None)
-    assert line is not None, proc.stderr[-3000:]
+    assert line is not None, proc.stderr[-4000:]
     assert line.split()[1] in ("cuda.bindings.driver", "cuda.cuda")
     assert line.split(" ", 2)[2] == "(True, True) (True, True) True True True skipped", line
