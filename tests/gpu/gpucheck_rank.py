@@ -47,7 +47,13 @@ def shim_install(**overrides):
 
     _overrides.clear()
     _overrides.update(overrides)
-    fiws.install(**overrides)
+    if os.environ.get("GPUCHECK_FAKE") == "1":
+        # the fakes model NCCL's cold start-up on a gloo group, which HEADROOM_MB=auto
+        # (rightly) reads as gloo: pin the NCCL reserve that auto gives a cold NCCL group
+        from flashinfer_safe_workspace import _headroom
+
+        _overrides.setdefault("headroom_mb", _headroom.NCCL_RESERVE_MB)
+    fiws.install(**_overrides)
     if os.environ.get("GPUCHECK_FAKE") == "1":
         import gpucheck_fake
 
