@@ -139,3 +139,33 @@ def test_no_process_group_passes_flashinfers_own_error_through():
                                                dtype=torch.float32)
     assert not isinstance(info.value, fiws.WorkspaceVetoed)
     assert "torch.distributed is not initialized" in str(info.value)
+
+
+def test_graph_capture_consults_the_veto_cache_first(monkeypatch):
+    """SGLang 0.5.14-0.5.16 retry creation inside CUDA graph capture after a veto, with a
+    fresh comm_backend object each time: the retry must get the cached veto (keyed by the
+    workspace, not by the call's objects), not reach FlashInfer unprotected."""
+    from flashinfer.comm.mnnvl import CommBackend
+
+    class Solo(CommBackend):  # a fresh object per attempt, as the engines build them
+        def Get_rank(self): return 0
+        def Get_size(self): return 1
+        def allgather(self, data): return [data]
+        def bcast(self, data, root=0): return data
+        def barrier(self): pass
+        def Split(self, color, key): return self
+
+    entered = []
+    monkeypatch.setattr(ar, "TRTLLMAllReduceFusionWorkspace",
+                        lambda **kw: entered.append(kw) or "made")
+    _probe.set_prober(_probe.SimulatedDevice(1 << 20))  # 1 MiB: every plan is vetoed
+    fiws.install(on_veto="none")
+    args = dict(backend="trtllm", world_size=1, rank=0, max_token_num=512, hidden_dim=1024,
+                dtype=torch.bfloat16)
+    assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **args) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **args) is None
+    assert entered == []  # FlashInfer never entered, during capture either
+    # an undecided call during capture still goes to FlashInfer (no probe then)
+    assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **dict(args, hidden_dim=2048)) == "made"
