@@ -168,6 +168,18 @@ def rank_main(args) -> int:
     if hog is not None:
         hog.release()
     print(json.dumps(row, default=str), flush=True)
+    # rank 0's process hosts the store the decision goes through: it stays until every rank
+    # has read its answer (bounded: a rank that died on purpose never says so)
+    try:
+        import datetime
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"demo/done/{rank}", "1")
+        if rank == 0:
+            alive = [r for r in range(ws) if r != args.die_rank]
+            store.wait([f"demo/done/{r}" for r in alive], datetime.timedelta(seconds=30))
+    except Exception:  # noqa: BLE001 - the demo's own bookkeeping
+        pass
     os._exit(0)  # skip process-group teardown: peers may have died on purpose
 
 
