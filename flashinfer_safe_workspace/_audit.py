@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from ._intercept import Recorder, Seen  # noqa: F401 - Seen is part of the audit's results
+from ._intercept import Recorder
 from ._plan import DEFAULT_GRANULARITY, FALLBACK_TORCH_SIGNAL_PAD, Allocation, Plan
 
 logger = logging.getLogger("flashinfer_safe_workspace")

@@ -285,10 +285,8 @@ def _cand(ok: bool, reason: int, note: str = "", **numbers) -> dict:
 
 
 def _candidate(req, version, facts, everyone, auto, members, settings, headroom, mismatch):
-    import dataclasses as dc
-
     if auto:
-        facts = dc.replace(facts, multicast_all_ranks=everyone)
+        facts = dataclasses.replace(facts, multicast_all_ranks=everyone)
     try:
         plan = _request.plan_for(req, facts, version)
     except Unplanned as exc:

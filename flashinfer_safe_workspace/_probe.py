@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Optional
 
-from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, MiB, Plan, round_up  # noqa: F401
+from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, round_up
 
 # reason codes live with the records (_vote); the probe reports these two
 from ._vote import OK, OUT_OF_MEMORY, PROBE_ERROR  # noqa: E402,F401

@@ -103,7 +103,7 @@ class StoreRound:
         if own_yes:
             self._call(lambda s: (s.set(board_key, board), s.set(mine, payload)))
             self.published = True
-        if not own_yes:  # a no needs nobody else: the abort first, then the record
+        else:  # a no needs nobody else: the abort first, then the record
             why = ("; ".join(_explain.describe(record, cand) for cand in record.get("c", {}).values())
                    or f"rank {self.rank} said no: {_no_text(record)}")
             value = json.dumps({"o": ABORT, "by": self.rank, "why": why[:500]})
