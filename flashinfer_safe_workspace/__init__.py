@@ -19,7 +19,8 @@ def install(**overrides) -> None:
     Keyword arguments override settings (``on_veto="raise"``, ``headroom_mb=256``, ...)
     with the same validation as the environment variables. Idempotent.
     """
-    from . import _bootstrap, _config, _log
+    from .activation import bootstrap as _bootstrap
+    from . import _config, _log
 
     from . import _decide
 
@@ -33,7 +34,8 @@ def install(**overrides) -> None:
 def uninstall() -> None:
     """Restore FlashInfer's original functions (where nothing else wrapped them since)
     and forget cached vetoes."""
-    from . import _bootstrap, _decide, _patch
+    from .activation import bootstrap as _bootstrap, patch as _patch
+    from . import _decide
 
     _bootstrap.stop_watching()
     _patch.uninstall_targets()
@@ -42,17 +44,17 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     """Whether the shim is active (its hooks wrap FlashInfer as soon as it is imported)."""
-    from . import _bootstrap
+    from .activation import bootstrap as _bootstrap
 
     if _bootstrap.watching():
         return True
-    from . import _patch
+    from .activation import patch as _patch
 
     return _patch.is_active()
 
 
 def _activate_from_environment() -> None:
-    from . import _bootstrap
+    from .activation import bootstrap as _bootstrap
 
     _bootstrap.main()
 

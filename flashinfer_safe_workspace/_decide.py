@@ -13,12 +13,23 @@ import threading
 import time
 from typing import Callable, Optional
 
-from . import (_allgather, _audit, _config, _explain, _group, _probe, _request, _round, _store,
-               _vote)
-from ._explain import VetoInfo
+from .agreement import (
+    allgather as _allgather,
+    explain as _explain,
+    group as _group,
+    round as _round,
+    store as _store,
+    vote as _vote,
+)
+from .audit import compare as _audit
+from . import _config
+from .planning import probe as _probe, request as _request
+from . import _reasons as R
+from .agreement.explain import VetoInfo
+from .agreement.record import NO, PASS, PASS_STATE, YES, Candidate, Record
 from ._log import internal_error, logger, rank_tag
-from . import _plan
-from ._plan import PassThrough, Plan, Unplanned
+from .planning import plan as _plan
+from .planning.plan import PassThrough, Plan, Unplanned
 
 UNIFIED, LEGACY = _request.UNIFIED, _request.LEGACY
 
@@ -108,7 +119,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     if req is None:  # FlashInfer will raise its own TypeError: tell the peers first
         members = _group.guess_members(kwargs)
         if members is not None and members.kind == "store":
-            _tell_peers_no(members, _request.record_for_unbound(members), deadline, settings)
+            _tell_peers_no(members, _unbound_record(members), deadline, settings)
         return Decision("call", "arguments do not bind; FlashInfer reports its own error")
     ident = _request.identity(req)
     try:
@@ -139,7 +150,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         return Decision("call", f"FlashInfer {version} not mirrored; pass-through (unprotected)")
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
-    lock = (_vote.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+    lock = (_round.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
             if members.kind != "local" else None)
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
         info = _explain.local(f"another thread of this process was still deciding for ranks "
@@ -178,7 +189,8 @@ def _decide_round(decision, req, bound, ident, version, members, settings, deadl
         rnd.abort_now("interrupted")
         raise
     decision.elapsed_ms = (time.perf_counter() - start) * 1000
-    if outcome.register.get("o") == _vote.PASS:  # every rank: FlashInfer rejects it itself
+    if outcome.register is not None and outcome.register.outcome == PASS:  # every rank:
+        # FlashInfer rejects the arguments itself
         decision.action, decision.logged = "call", False
         decision.reason = "FlashInfer rejects these arguments on every rank"
         return decision
@@ -194,7 +206,7 @@ def _decide_round(decision, req, bound, ident, version, members, settings, deadl
 
 def _tell_peers_no(members, record, deadline, settings) -> None:
     """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours)."""
-    rnd = _round_for(members, record["id"], deadline, settings, record["args"])
+    rnd = _round_for(members, record.call, deadline, settings, record.args)
     try:
         if rnd.open() is None:
             rnd.vote(record)
@@ -229,36 +241,45 @@ def _warn_version(version, settings):
 # --------------------------------------------------------------------------- this rank
 
 
-def _local_record(req, bound, version, members, settings, decision: Decision) -> dict:
+def _base_record(req, members, **fields) -> Record:
+    return Record(rank=_group.global_rank(), pid=os.getpid(), position=members.me,
+                  call=_request.identity(req), args=_request.summary(req), **fields)
+
+
+def _unbound_record(members) -> Record:
+    """The "no" of a rank whose arguments do not bind (its FlashInfer call raises)."""
+    return Record(rank=_group.global_rank(), pid=os.getpid(), position=members.me,
+                  call="unbound", args={"arguments": "do not bind"},
+                  candidates={"-": Candidate(NO, R.PASS_THROUGH,
+                                             "its arguments do not bind to FlashInfer's signature")})
+
+
+def _local_record(req, bound, version, members, settings, decision: Decision) -> Record:
     """This rank's record: plan and probe every candidate; never raises for our errors."""
-    record = _request.base_record(req, members)
     mismatch = _request.group_mismatch(req, members)
     if _request.unknown_version(version):
         _warn_version(version, settings)
         if settings.unknown_version == "veto":
-            record["c"] = {"-": _cand(False, _vote.UNKNOWN_VERSION,
-                                      f"FlashInfer {version} not mirrored; UNKNOWN_VERSION=veto")}
-            return record
+            return _base_record(req, members, candidates={"-": _no(
+                False, R.UNKNOWN_VERSION, f"FlashInfer {version} not mirrored; UNKNOWN_VERSION=veto")})
     try:  # arguments FlashInfer rejects before allocating: no device work at all
         early = _request.plan_for(req, _plan.Facts(), version)
     except Exception:  # noqa: BLE001 - the full path below reports it
         early = None
     if isinstance(early, PassThrough):
-        record["c"] = {"-": {"s": "pass", "r": _vote.PASS_THROUGH, "n": early.reason}}
-        return record
+        return _base_record(req, members, candidates={
+            "-": Candidate(PASS_STATE, R.PASS_THROUGH, early.reason[:300])})
     headroom, why = _request.headroom(settings, req, bound)
     decision.headroom_bytes, decision.headroom_why = headroom, why
     try:
         facts = _request.facts_for(req, members)
     except Exception as exc:  # noqa: BLE001 - a driver query that fails is a "no"
-        code = _vote.NO_DEVICE if isinstance(exc, _probe.ProbeUnavailable) else _vote.DRIVER_ERROR
+        code = R.NO_DEVICE if isinstance(exc, _probe.ProbeUnavailable) else R.DRIVER_ERROR
         internal_error("facts", exc)
-        record["c"] = {"-": _cand(settings.fail_open, code, f"{type(exc).__name__}: {exc}")}
-        return record
+        return _base_record(req, members, candidates={"-": _no(
+            settings.fail_open, code, f"{type(exc).__name__}: {exc}")})
     decision.version, decision.granularity = version, facts.granularity
     auto = _request.auto_by_vote(req, version)
-    record["auto"] = auto
-    record["mc"] = bool(facts.multicast_supported)
     variants = {"-": None}
     if auto:
         variants = {"nomc": False}
@@ -266,41 +287,41 @@ def _local_record(req, bound, version, members, settings, decision: Decision) ->
             variants["mc"] = True
     cands = {}
     for name, everyone in variants.items():
-        cand = _candidate(req, version, facts, everyone, auto, members, settings, headroom,
-                          mismatch)
+        cand, plan = _candidate(req, version, facts, everyone, auto, settings, headroom,
+                                mismatch)
         cands[name] = cand
-        if cand.get("plan") is not None and (name in ("-", "nomc") or decision.plan is None):
-            decision.plan = cand["plan"]
-        if cand.get("dev", -1) >= 0:
-            decision.device, decision.free_bytes = cand["dev"], cand.get("free", -1)
-            decision.probe_ok = cand["s"] == "ok"
-    for cand in cands.values():
-        cand.pop("plan", None)
-    record["c"] = cands
-    return record
+        if plan is not None and (name in ("-", "nomc") or decision.plan is None):
+            decision.plan = plan
+        if cand.device >= 0:
+            decision.device, decision.free_bytes = cand.device, cand.free_bytes
+            decision.probe_ok = cand.state == YES
+    return _base_record(req, members, candidates=cands, auto=auto,
+                        multicast=bool(facts.multicast_supported))
 
 
-def _cand(ok: bool, reason: int, note: str = "", **numbers) -> dict:
-    return {"s": "ok" if ok else "no", "r": int(reason), "n": str(note)[:300], **numbers}
+def _no(ok: bool, reason: int, note: str = "", **fields) -> Candidate:
+    """A candidate that failed for ``reason`` (``ok``: FAIL_OPEN turns it into a yes)."""
+    return Candidate(YES if ok else NO, int(reason), str(note)[:300], **fields)
 
 
-def _candidate(req, version, facts, everyone, auto, members, settings, headroom, mismatch):
+def _candidate(req, version, facts, everyone, auto, settings, headroom, mismatch):
+    """``(Candidate, Plan or None)`` for one way of creating the workspace."""
     if auto:
         facts = dataclasses.replace(facts, multicast_all_ranks=everyone)
     try:
         plan = _request.plan_for(req, facts, version)
     except Unplanned as exc:
         internal_error("plan", exc)
-        return _cand(settings.fail_open, _vote.UNPLANNED, str(exc))
+        return _no(settings.fail_open, R.UNPLANNED, str(exc)), None
     except Exception as exc:  # noqa: BLE001 - our bug
         internal_error("plan", exc)
-        return _cand(settings.fail_open, _vote.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+        return _no(settings.fail_open, R.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"), None
     if isinstance(plan, PassThrough):
-        return {"s": "pass", "r": _vote.PASS_THROUGH, "n": plan.reason, "d": plan.reason}
-    base = {"d": str(plan.digest()), "peak": plan.peak_bytes, "head": headroom,
-            "backend": plan.backend, "plan": plan}
+        return Candidate(PASS_STATE, R.PASS_THROUGH, plan.reason[:300], plan_digest=plan.reason), None
+    base = {"plan_digest": str(plan.digest()), "peak_bytes": plan.peak_bytes,
+            "headroom_bytes": headroom, "backend": plan.backend}
     if mismatch:
-        return dict(_cand(False, _vote.ARG_MISMATCH, mismatch), **base)
+        return _no(False, R.ARG_MISMATCH, mismatch, **base), plan
     try:  # what an earlier creation of this call really took, if more than planned
         probed = _audit.apply_floor(plan, _request.identity(req))
     except Exception as exc:  # noqa: BLE001
@@ -310,14 +331,14 @@ def _candidate(req, version, facts, everyone, auto, members, settings, headroom,
         result = _probe.get_prober().probe(probed, headroom)
     except _probe.ProbeUnavailable as exc:
         internal_error("probe.unavailable", exc)
-        return dict(_cand(settings.fail_open, _vote.NO_DEVICE, str(exc)), **base)
+        return _no(settings.fail_open, R.NO_DEVICE, str(exc), **base), plan
     except Exception as exc:  # noqa: BLE001 - the driver surprising us, or our bug
         internal_error("probe", exc)
-        return dict(_cand(settings.fail_open, _vote.PROBE_ERROR, f"{type(exc).__name__}: {exc}"),
-                    **base)
-    reason = _vote.OK if result.ok else (_vote.OUT_OF_MEMORY if result.reason == 1
-                                          else _vote.PROBE_ERROR)
-    return dict(_cand(result.ok, reason, result.failed_name, dev=result.device,
-                      free=result.free_bytes, fail=result.failed_bytes, err=result.cuda_error,
-                      errn=result.cuda_error_name, fh=int(result.failed_name == "headroom"),
-                      ms=round(result.elapsed_s * 1000, 3)), **base)
+        return _no(settings.fail_open, R.PROBE_ERROR, f"{type(exc).__name__}: {exc}", **base), plan
+    reason = R.OK if result.ok else (R.OUT_OF_MEMORY if result.reason == 1 else R.PROBE_ERROR)
+    return _no(result.ok, reason, result.failed_name, device=result.device,
+               free_bytes=result.free_bytes, failed_bytes=result.failed_bytes,
+               cuda_error=int(result.cuda_error or 0),
+               cuda_error_name=str(result.cuda_error_name or ""),
+               failed_headroom=result.failed_name == "headroom",
+               probe_ms=round(result.elapsed_s * 1000, 3), **base), plan

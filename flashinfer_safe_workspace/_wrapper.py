@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 
-from . import _audit, _config, _decide, _explain, _log
+from .audit import compare as _audit
+from . import _config, _decide, _log
+from .agreement import explain as _explain
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
 

@@ -15,7 +15,8 @@ def _clean_shim(monkeypatch):
             monkeypatch.delenv(name)
     yield
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _config, _probe
+    from flashinfer_safe_workspace import _config
+    from flashinfer_safe_workspace.planning import probe as _probe
 
     fiws.uninstall()
     _probe.set_prober(None)

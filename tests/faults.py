@@ -218,7 +218,7 @@ result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), li
         "device facts fail on one rank (a driver query raises)", 2,
         _free() + _call(extra=", on_veto='raise'", prelude="""
 if RANK == 1:
-    from flashinfer_safe_workspace import _probe
+    from flashinfer_safe_workspace.planning import probe as _probe
     def broken(*a, **k):
         raise _probe.DriverQueryFailed("cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) failed")
     dev.facts = broken"""),
@@ -419,7 +419,7 @@ result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), li
         "internal error in our code on one rank", 2,
         _free() + _call(prelude="""
 if RANK == 0:
-    import flashinfer_safe_workspace._request as rq
+    import flashinfer_safe_workspace.planning.request as rq
     def boom(*a, **k):
         raise ZeroDivisionError("injected")
     rq.plan_for = boom""") + """

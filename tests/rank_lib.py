@@ -81,7 +81,7 @@ def setup(free_mb=None, *, device=None, **overrides):
     """Install the shim with a simulated device of ``free_mb`` MiB free."""
     global capture
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _probe
+    from flashinfer_safe_workspace.planning import probe as _probe
 
     if capture is None:
         capture = _Capture()
@@ -99,15 +99,16 @@ def setup(free_mb=None, *, device=None, **overrides):
 def need_mb(world_size=2, max_token_num=2048, hidden_dim=4096, dtype="bfloat16", headroom_mb=None):
     """plan peak + headroom in MiB for the installed FlashInfer (trtllm, simulated facts)."""
     import flashinfer
-    from flashinfer_safe_workspace import _config, _plan, _probe
+    from flashinfer_safe_workspace import _config
+    from flashinfer_safe_workspace.planning import plan as _plan, probe as _probe
 
     req = _plan.Request("unified", "trtllm", world_size, 0, max_token_num, hidden_dim, dtype)
     facts = _probe.SimulatedDevice(1 << 40).facts(None, False, world_size)
-    from flashinfer_safe_workspace import rules
+    from flashinfer_safe_workspace.planning import rules
 
     plan = rules.plan_for(req, facts, flashinfer.__version__)
     if headroom_mb is None:  # what the shim itself would use for this call on WORLD
-        from flashinfer_safe_workspace import _request
+        from flashinfer_safe_workspace.planning import request as _request
 
         head = _request.headroom(_config.current(), req, {})[0] / MiB
     else:

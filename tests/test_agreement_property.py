@@ -23,7 +23,7 @@ FAULTS = ("none", "none", "none", "short", "probe_error", "facts_error", "bad_ba
 BODY = """
 import json, os, time
 import rank_lib
-from flashinfer_safe_workspace import _probe
+from flashinfer_safe_workspace.planning import probe as _probe
 PLAN = json.loads(os.environ["FIWS_PLAN"])
 dev = rank_lib.setup(free_mb=None, vote_timeout=%(T)s)
 real_facts = dev.facts

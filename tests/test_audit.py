@@ -18,9 +18,9 @@ import threading
 import pytest
 
 from conformance import runner, standins
-from flashinfer_safe_workspace import _audit
-from flashinfer_safe_workspace._plan import Plan
-from flashinfer_safe_workspace.rules import plan_for as make_plan
+from flashinfer_safe_workspace.audit import compare as _audit
+from flashinfer_safe_workspace.planning.plan import Plan
+from flashinfer_safe_workspace.planning.rules import plan_for as make_plan
 from harness import run_python
 
 try:
@@ -137,7 +137,7 @@ def test_audit_ok_for_flashinfers_real_creation(installed, spec):
 
 def test_cutedsl_symmetric_blocks_are_observed(installed):
     """Allocator D (0.7.4 mnnvl-cutedsl, stand-in Blackwell): torch symmetric blocks."""
-    from flashinfer_safe_workspace import rules as _releases
+    from flashinfer_safe_workspace.planning import rules as _releases
 
     if _releases.range_of(VERSION) not in _releases.CUTEDSL_PLANNED_RANGES:
         pytest.skip("allocator D is planned for 0.7.4 only")
@@ -359,7 +359,7 @@ def test_real_driver_module_is_patched_and_restored_in_a_fresh_interpreter():
     code = r"""
 import sys
 import flashinfer.comm.mnnvl as mnnvl, flashinfer.comm.cuda_ipc as cuda_ipc
-from flashinfer_safe_workspace import _audit
+from flashinfer_safe_workspace.audit import compare as _audit
 drv = mnnvl.cuda
 before = drv.cuMemCreate, vars(cuda_ipc.cudart).copy(), type(cuda_ipc.cudart)._library
 with _audit.watch(None, None, "0.7.4") as audit:

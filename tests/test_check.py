@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from flashinfer_safe_workspace import _facts, _probe, rules
+from flashinfer_safe_workspace.planning import facts as _facts, probe as _probe, rules
 from flashinfer_safe_workspace import cli as _cli
 
-from flashinfer_safe_workspace._plan import MiB
+from flashinfer_safe_workspace.planning.plan import MiB
 
 TIMEOUT = 120
 SHAPE = ["--backend", "trtllm", "--world-size", "8", "--max-token-num", "2048",

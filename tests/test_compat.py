@@ -86,7 +86,7 @@ WRAPT_CHECK = """
     import torch
     import flashinfer.comm as comm                      # the .pth activated the shim
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _patch, _probe
+    from flashinfer_safe_workspace.activation import patch as _patch; from flashinfer_safe_workspace.planning import probe as _probe
 
     names = ("create_allreduce_fusion_workspace",
              "trtllm_create_ipc_workspace_for_all_reduce_fusion")
@@ -174,7 +174,7 @@ def test_wrapt_1_is_not_loaded_before_flashinfer():
 
 CUDA_CHECK = """
     import json
-    from flashinfer_safe_workspace import _probe
+    from flashinfer_safe_workspace.planning import probe as _probe
     drv = _probe._driver()
     out = {"module": drv.__name__}
     try:
@@ -193,7 +193,7 @@ CUDA_CHECK = """
 
 
 def _no_driver_here():
-    from flashinfer_safe_workspace import _probe
+    from flashinfer_safe_workspace.planning import probe as _probe
 
     try:
         _probe.CudaProber()._ready()

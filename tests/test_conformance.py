@@ -27,8 +27,8 @@ import time
 import pytest
 
 from conformance import runner, standins
-from flashinfer_safe_workspace import _facts, rules
-from flashinfer_safe_workspace._plan import MiB, Plan
+from flashinfer_safe_workspace.planning import facts as _facts, rules
+from flashinfer_safe_workspace.planning.plan import MiB, Plan
 
 try:
     flashinfer = standins.import_flashinfer()

@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
-from flashinfer_safe_workspace import _facts, _probe, rules
-from flashinfer_safe_workspace._plan import MiB, Request
+from flashinfer_safe_workspace.planning import facts as _facts, probe as _probe, rules
+from flashinfer_safe_workspace.planning.plan import MiB, Request
 
 TIMEOUT = 180
 

@@ -15,7 +15,7 @@ from importlib.metadata import version
 
 import pytest
 
-from flashinfer_safe_workspace import _facts, rules
+from flashinfer_safe_workspace.planning import facts as _facts, rules
 from flashinfer_safe_workspace.cli import doctor as _doctor
 
 TIMEOUT = 120

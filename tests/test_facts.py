@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed._symmetric_memory as symm
 
-from flashinfer_safe_workspace import _facts, _probe
-from flashinfer_safe_workspace._plan import MiB
+from flashinfer_safe_workspace.planning import facts as _facts, probe as _probe
+from flashinfer_safe_workspace.planning.plan import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
 

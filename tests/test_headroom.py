@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashinfer_safe_workspace import _headroom
+from flashinfer_safe_workspace.planning import headroom as _headroom
 from flashinfer_safe_workspace._config import ParseError
 from harness import results, run_ranks
 
@@ -48,7 +48,7 @@ def test_no_process_group_cannot_be_told():
 BODY = """
 import torch.distributed as dist
 from flashinfer.comm.mnnvl import TorchDistBackend
-from flashinfer_safe_workspace import _headroom
+from flashinfer_safe_workspace.planning import headroom as _headroom
 
 def r(**kw):
     kw.setdefault("entry", "unified"); kw.setdefault("backend", "trtllm")

@@ -29,7 +29,7 @@ PRELUDE = textwrap.dedent("""
                         format="%(levelname)s %(name)s %(message)s")
     import torch
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _probe
+    from flashinfer_safe_workspace.planning import probe as _probe
     fiws.install(on_veto="none", vote_timeout=60)
     import flashinfer.comm as comm
     MiB = 1 << 20

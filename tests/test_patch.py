@@ -9,7 +9,7 @@ from harness import run_python
 CHECK = """
 import inspect, json, sys
 import flashinfer.comm as comm, flashinfer.comm.allreduce as ar, flashinfer.comm.trtllm_ar as tr
-from flashinfer_safe_workspace import _patch
+from flashinfer_safe_workspace.activation import patch as _patch
 def ours(f): return _patch.is_ours(f)
 def depth(f):
     n = 0

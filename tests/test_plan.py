@@ -1,7 +1,7 @@
 """Plan types: size-aware multicast granularity, digest, JSON shape."""
 
-from flashinfer_safe_workspace._plan import MiB, Facts, Request
-from flashinfer_safe_workspace.rules import plan_for as make_plan
+from flashinfer_safe_workspace.planning.plan import MiB, Facts, Request
+from flashinfer_safe_workspace.planning.rules import plan_for as make_plan
 
 
 def _rule(size):  # the driver's answer on H200: small objects 2 MiB, larger ones 512 MiB
@@ -65,13 +65,13 @@ def _imports(path) -> set:
 
 
 def test_plan_types_import_nothing_from_the_rules():
-    imports = _imports(_package_dir() / "_plan.py")
-    assert not any("rules" in name or "_facts" in name for name in imports), imports
+    imports = _imports(_package_dir() / "planning" / "plan.py")
+    assert not any("rules" in name or "facts" in name for name in imports), imports
 
 
 def test_only_the_cutedsl_rules_import_torch_or_flashinfer():
     heavy = {}
-    for path in sorted((_package_dir() / "rules").glob("*.py")):
+    for path in sorted((_package_dir() / "planning" / "rules").glob("*.py")):
         found = {n for n in _imports(path) if n.split(".")[0] in ("torch", "flashinfer")}
         if found:
             heavy[path.name] = found
@@ -82,7 +82,7 @@ def test_importing_the_rules_loads_neither_torch_nor_flashinfer():
     import subprocess
     import sys
 
-    code = ("import sys, flashinfer_safe_workspace.rules as r, flashinfer_safe_workspace._facts;"
+    code = ("import sys, flashinfer_safe_workspace.planning.rules as r, flashinfer_safe_workspace.planning.facts;"
             "print([m for m in ('torch', 'flashinfer') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                           timeout=120)

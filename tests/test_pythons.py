@@ -19,7 +19,7 @@ os.environ["FLASHINFER_SAFE_WORKSPACE"] = "1"
 line = open(sys.argv[1]).read()
 exec(line)  # the .pth line itself: imports the package, which only inserts a watcher
 import flashinfer_safe_workspace as f
-from flashinfer_safe_workspace import _bootstrap, _config, _plan, rules
+from flashinfer_safe_workspace import _config; from flashinfer_safe_workspace.activation import bootstrap as _bootstrap; from flashinfer_safe_workspace.planning import plan as _plan; from flashinfer_safe_workspace.planning import rules
 s = _config.read_settings({"FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB": "64",
                            "FLASHINFER_SAFE_WORKSPACE_ON_VETO": "RAISE"})
 plan = rules.plan_for(_plan.Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16"),

@@ -42,15 +42,35 @@ def test_readme_engine_rows_match_the_verified_table():
     assert rows == verified
 
 
-def test_layout_section_lists_exactly_the_package_files():
-    """The README's Layout section and the package tree name the same modules."""
+def _layout_tree(text: str) -> set:
+    """The paths the README's Layout block names: an indented tree, two spaces a level."""
     import re
 
-    text = (ROOT / "README.md").read_text()
-    layout = text[text.index("## Layout"):]
-    listed = set(re.findall(r"^\s+(_\w+\.py|\w+/)\s", layout, re.M))
+    block = text[text.index("## Layout"):]
+    block = block[:block.index("\n## ", 4)] if "\n## " in block[4:] else block
+    stack, out = [], set()
+    for line in block.splitlines():
+        m = re.match(r"^    ( *)(\S+)(\s|$)", line)
+        if not m or not re.match(r"^[\w.]+/?$", m.group(2)):
+            continue
+        depth = len(m.group(1)) // 2
+        del stack[depth:]
+        name = m.group(2)
+        path = "/".join(stack + [name.rstrip("/")])
+        out.add(path + ("/" if name.endswith("/") else ""))
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+    return out
+
+
+def test_layout_section_is_the_package_tree():
+    """The README's Layout block names every module and folder of the package, in place."""
+    listed = _layout_tree((ROOT / "README.md").read_text())
     pkg = ROOT / "flashinfer_safe_workspace"
-    present = {p.name for p in pkg.glob("_*.py")} - {"__init__.py", "__main__.py", "_version.py"}
-    present |= {p.name + "/" for p in pkg.iterdir() if p.is_dir() and not p.name.startswith("__")}
-    listed.discard("flashinfer_safe_workspace/")
+    present = {"flashinfer_safe_workspace/", "flashinfer_safe_workspace.pth"}
+    for path in pkg.rglob("*"):
+        if "__pycache__" in path.parts or (path.is_file() and path.suffix != ".py"):
+            continue
+        rel = "flashinfer_safe_workspace/" + str(path.relative_to(pkg))
+        present.add(rel + "/" if path.is_dir() else rel)
     assert listed == present, (sorted(listed - present), sorted(present - listed))

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashinfer_safe_workspace import rules as R
-from flashinfer_safe_workspace._plan import (
+from flashinfer_safe_workspace.planning import rules as R
+from flashinfer_safe_workspace.planning.plan import (
     MiB,
     Facts,
     PassThrough,
@@ -24,7 +24,7 @@ from flashinfer_safe_workspace._plan import (
     Unplanned,
     round_up,
 )
-from flashinfer_safe_workspace.rules import plan_for as make_plan
+from flashinfer_safe_workspace.planning.rules import plan_for as make_plan
 
 # One representative release per range (the conformance matrix uses the same ones).
 RELEASE = {

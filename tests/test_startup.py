@@ -53,7 +53,7 @@ def test_on_wraps_after_import_flashinfer_comm_without_importing_us():
     """The variable alone (the .pth) wraps both functions with OUR proxy, which still
     reaches FlashInfer's own function."""
     code = ("import flashinfer.comm as c, json, inspect\n"
-            "from flashinfer_safe_workspace import _patch\n"
+            "from flashinfer_safe_workspace.activation import patch as _patch\n"
             "u, l = c.create_allreduce_fusion_workspace, c.trtllm_create_ipc_workspace_for_all_reduce_fusion\n"
             "print('OUT' + json.dumps([_patch.is_ours(u), _patch.is_ours(l),"
             " u.__wrapped__.__module__, u.__wrapped__.__name__,"
@@ -83,7 +83,7 @@ def test_no_site_flag_disables_the_pth():
 def test_child_processes_inherit_activation():
     code = ("import subprocess, sys\n"
             "r = subprocess.run([sys.executable, '-c', 'import flashinfer.comm as c; "
-            "from flashinfer_safe_workspace import _patch; "
+            "from flashinfer_safe_workspace.activation import patch as _patch; "
             "print(_patch.is_ours(c.create_allreduce_fusion_workspace))'],"
             " capture_output=True, text=True, timeout=60)\n"
             "print('OUT', r.stdout.strip())")

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import flashinfer.comm as comm
 import flashinfer.comm.allreduce as ar
 import flashinfer_safe_workspace as fiws
-from flashinfer_safe_workspace import _log, _probe
+from flashinfer_safe_workspace import _log
+from flashinfer_safe_workspace.planning import probe as _probe
 
 NO_CUDA = "Torch not compiled with CUDA enabled"
 

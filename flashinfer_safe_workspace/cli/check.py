@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .._plan import MiB
+from ..planning.plan import MiB
 
 # check's exit codes (a launch script or CI gate reads these)
 FITS = 0
@@ -26,11 +26,12 @@ def check_report(*, backend: str, world_size: int, max_token_num: int, hidden_di
     ``status`` is ``fits`` / ``does-not-fit`` / ``cannot-tell``; ``exit_code`` the
     matching 0 / 1 / 2.
     """
-    from .. import _config, _facts, _plan, _probe, rules
+    from .. import _config
+    from ..planning import facts as _facts, plan as _plan, probe as _probe, rules
 
     settings = _config.current()
     if headroom_mb is None:  # auto: check sees no engine group, so the NCCL case counts
-        from .. import _headroom
+        from ..planning import headroom as _headroom
 
         head_bytes, head_why = _headroom.resolve(settings.headroom_mb, entry="unified",
                                                  backend=backend, group=None, comm_backend=None)
@@ -122,7 +123,7 @@ def format_check(r: dict) -> str:
             f"FlashInfer {r['flashinfer_version']}")
     out = [head]
     if r.get("facts"):
-        from .._facts import format_facts
+        from ..planning.facts import format_facts
 
         out.append("  " + format_facts(r["facts"]))
     if r.get("plan_text"):

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from .._plan import MiB
+from ..planning.plan import MiB
 
 
 def _free_port() -> int:
@@ -104,7 +104,12 @@ def rank_main(args) -> int:
     import torch.distributed as dist
 
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _facts, _plan, _probe, rules
+    from flashinfer_safe_workspace.planning import (
+        facts as _facts,
+        plan as _plan,
+        probe as _probe,
+        rules,
+    )
 
     rank, ws = args.rank, args.world_size
     dist.init_process_group("gloo", rank=rank, world_size=ws,
@@ -120,7 +125,7 @@ def rank_main(args) -> int:
     req = _plan.Request("unified", args.backend, ws, rank, args.max_token_num, args.hidden_dim,
                         args.dtype)
     hog = None
-    from .. import _request
+    from ..planning import request as _request
 
     headroom_bytes = _request.headroom(settings, req, {})[0]  # what the shim will use here
     if use_gpu:
@@ -221,7 +226,7 @@ class _Hog:
     """Fills a GPU with cuMemCreate so that only ``leave`` bytes stay free (GPU demo)."""
 
     def __init__(self, device: int):
-        from .._probe import CudaProber, _check
+        from ..planning.probe import CudaProber, _check
 
         self.prober, self.check, self.device, self.handles = CudaProber(), _check, device, []
 

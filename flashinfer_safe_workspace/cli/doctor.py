@@ -78,8 +78,9 @@ def _pth_report() -> dict:
 
 
 def _flashinfer_report(import_comm: bool) -> dict:
-    from .. import _patch, rules
-    from .._plan import Unplanned
+    from ..activation import patch as _patch
+    from ..planning import rules
+    from ..planning.plan import Unplanned
 
     version = rules.flashinfer_version()
     out: dict = {"version": version, "rules": None, "verified": False, "newest_mirrored":
@@ -112,7 +113,7 @@ def _cuda_report() -> dict:
     """Driver version and device count through cuda-python; never raises."""
     out: dict = {"bindings": None, "driver_version": None, "device_count": None, "error": None}
     try:
-        from .. import _probe
+        from ..planning import probe as _probe
 
         drv = _probe._driver()
         out["bindings"] = drv.__name__
@@ -120,7 +121,7 @@ def _cuda_report() -> dict:
         out["error"] = f"no cuda-python driver bindings: {exc}"
         return out
     try:
-        from .._probe import _check
+        from ..planning.probe import _check
 
         _check(drv.cuInit(0))
         version = int(_check(drv.cuDriverGetVersion()))
@@ -136,8 +137,9 @@ def facts_report(cuda: dict, device: int = 0) -> dict:
     """The runtime facts the shim would plan with here: torch's signal pad always; the
     device's granularity and per-size multicast granularity (for a 2 MiB and a 1 GiB
     object, 2 devices) when the driver answers, else the H200 values ``plan`` uses."""
-    from .. import _config, _facts, _probe
-    from .._plan import MiB
+    from .. import _config
+    from ..planning import facts as _facts, probe as _probe
+    from ..planning.plan import MiB
 
     _, pad_source = _facts.signal_pad()
     if cuda.get("error") is None:
@@ -158,14 +160,15 @@ def facts_report(cuda: dict, device: int = 0) -> dict:
 def _watching() -> bool:
     """The bootstrap's lazy watcher is on ``sys.meta_path``: the hooks get registered
     (and wrapt imported) at the first ``import flashinfer``."""
-    from .. import _bootstrap
+    from ..activation import bootstrap as _bootstrap
 
     return _bootstrap.watching()
 
 
 def doctor_report(import_flashinfer: bool = True) -> dict:
     """Everything ``doctor`` prints, as one JSON-able dict."""
-    from .. import _bootstrap, _config, _patch
+    from ..activation import bootstrap as _bootstrap, patch as _patch
+    from .. import _config
     from .._version import __version__
 
     settings = _config.current()
@@ -286,11 +289,12 @@ def format_doctor(r: dict) -> str:
         out.append(f"  CUDA: driver {cuda['driver_version']}, {cuda['device_count']} device(s) "
                    f"({cuda['bindings']})")
     if r.get("facts"):
-        from .._facts import format_facts
+        from ..planning.facts import format_facts
 
         out.append("  " + format_facts(r["facts"]))
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
-    from .. import _audit, _caller
+    from ..audit import compare as _audit
+    from .. import _caller
 
     out += ["  " + line for line in _caller.doctor_lines(r["settings"].get("on_veto", "auto"))]
     last = _audit.last()

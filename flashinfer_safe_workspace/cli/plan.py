@@ -18,7 +18,7 @@ import sys
 def plan_facts(args):
     """(Facts, pad source, facts source) for the ``plan`` arguments; raises
     ``_probe.ProbeUnavailable`` for ``--facts driver`` without a usable driver."""
-    from .. import _facts, _plan, _probe
+    from ..planning import facts as _facts, plan as _plan, probe as _probe
 
     fabric = args.handle_type == "fabric"
     base = _facts.h200_facts(args.world_size)
@@ -57,7 +57,7 @@ def plan_facts(args):
 
 
 def run_plan(args) -> int:
-    from .. import _facts, _plan, _probe, rules
+    from ..planning import facts as _facts, plan as _plan, probe as _probe, rules
 
     version = args.flashinfer_version or rules.flashinfer_version()
     if version is None:

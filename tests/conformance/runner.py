@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from flashinfer_safe_workspace import _facts, rules
-from flashinfer_safe_workspace._plan import Facts, PassThrough, Request, Unplanned
+from flashinfer_safe_workspace.planning import facts as _facts, rules
+from flashinfer_safe_workspace.planning.plan import Facts, PassThrough, Request, Unplanned
 
 from .standins import Case, FakeComm, Recorder, cutedsl_device
 

@@ -619,7 +619,7 @@ def drive_sglang_0510(root, group, other_group, out):
 
 
 def _is_ours(fn) -> bool:
-    from flashinfer_safe_workspace import _patch
+    from flashinfer_safe_workspace.activation import patch as _patch
 
     return _patch.is_ours(fn)
 
@@ -738,7 +738,8 @@ def main(argv):
     import torch.distributed as dist
 
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace import _decide, _probe
+    from flashinfer_safe_workspace import _decide
+    from flashinfer_safe_workspace.planning import probe as _probe
     from flashinfer_safe_workspace._log import parse_decision_lines
 
     dist.init_process_group("gloo", rank=rank, world_size=world,

@@ -432,7 +432,7 @@ def activate(device) -> None:
 
 
 def install_prober() -> None:
-    from flashinfer_safe_workspace import _probe
+    from flashinfer_safe_workspace.planning import probe as _probe
 
     gpu = _device.gpu
 

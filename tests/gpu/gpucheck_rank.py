@@ -50,7 +50,7 @@ def shim_install(**overrides):
     if os.environ.get("GPUCHECK_FAKE") == "1":
         # the fakes model NCCL's cold start-up on a gloo group, which HEADROOM_MB=auto
         # (rightly) reads as gloo: pin the NCCL reserve that auto gives a cold NCCL group
-        from flashinfer_safe_workspace import _headroom
+        from flashinfer_safe_workspace.planning import headroom as _headroom
 
         _overrides.setdefault("headroom_mb", _headroom.NCCL_RESERVE_MB)
     fiws.install(**_overrides)
@@ -126,29 +126,30 @@ def plan_for(entry: str, fn, kwargs: dict):
     falls back to the older one (``prober.facts`` + ``_plan.make_plan``), so the harness
     runs on the code before and after that change."""
     import flashinfer
-    from flashinfer_safe_workspace import _decide, _probe
+    from flashinfer_safe_workspace import _decide
+    from flashinfer_safe_workspace.planning import probe as _probe
 
     if os.environ.get("GPUCHECK_FAKE") == "1":
         import gpucheck_fake
 
         gpucheck_fake.install_prober()
-    from flashinfer_safe_workspace import _request
+    from flashinfer_safe_workspace.planning import request as _request
 
     req, _ = _request.build(entry, unwrap(fn), (), kwargs)
     cc = _request._confidential_compute() if entry == _request.UNIFIED else False
     prober = _probe.get_prober()
     try:
-        from flashinfer_safe_workspace import _facts
+        from flashinfer_safe_workspace.planning import facts as _facts
 
         facts = _facts.runtime_facts(prober, confidential_compute=cc, world_size=req.world_size)
     except ImportError:
         facts = _request.facts_for(req, None)
     try:
-        from flashinfer_safe_workspace import rules
+        from flashinfer_safe_workspace.planning import rules
 
         return rules.plan_for(req, facts, flashinfer.__version__)
     except ImportError:
-        from flashinfer_safe_workspace import _plan
+        from flashinfer_safe_workspace.planning import plan as _plan
 
         return _plan.make_plan(req, facts, flashinfer.__version__)
 

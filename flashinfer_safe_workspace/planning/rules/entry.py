@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from .._plan import Facts, PassThrough, Plan, Request, Unplanned
+from ..plan import Facts, PassThrough, Plan, Request, Unplanned
 from .common import check_ints
 from .cutedsl import cutedsl_workspace
 from .mnnvl import mnnvl_workspace

@@ -15,7 +15,7 @@ from __future__ import annotations
 import _thread
 import sys
 
-from ._gate import plainly_on
+from .gate import plainly_on
 
 _done = False
 _lock = _thread.allocate_lock()
@@ -44,7 +44,7 @@ def main() -> None:
 def activate_from_settings() -> None:
     """Parse Settings (warning once about bad values), configure logging, and if the
     shim is enabled, register the hooks."""
-    from . import _config, _log
+    from .. import _config, _log
 
     settings = _config.current()
     _log.configure(settings.debug)
@@ -54,7 +54,7 @@ def activate_from_settings() -> None:
 
 def _report(site: str, exc: BaseException) -> None:
     try:
-        from ._log import internal_error
+        from .._log import internal_error
 
         internal_error(site, exc)
     except Exception:  # noqa: BLE001
@@ -95,7 +95,7 @@ def register_hooks() -> None:
     global hooks_registered
     import wrapt
 
-    from . import _patch
+    from . import patch as _patch
 
     _patch._active = True
     if not hooks_registered:
@@ -109,7 +109,7 @@ def register_hooks() -> None:
 def _on_import(module) -> None:
     """Post-import hook body: must never raise (it would break the user's import)."""
     try:
-        from . import _patch
+        from . import patch as _patch
 
         if _patch.is_active():
             _patch.install_targets()

@@ -1,19 +1,76 @@
 """One decision's round in the c10d store: records, the board, and the register.
 
-See ``_vote`` for the agreement itself (what a record says, how the register decides, why
+See ``vote`` for the agreement itself (what a record says, how the register decides, why
 keys cannot drift). This module is its transport over the store: which keys, when each
 rank writes them, how long it waits, and who cleans up.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import os
+import threading
 import time
 from typing import Optional
 
-from . import _explain, _store, _vote
-from ._vote import (ABORT, COMMIT, GRACE_S, MAGIC, PASS, REJOIN_S, Outcome, _is_yes, _loads,
-                    _no_text, members_key, resolve)
+from . import explain as _explain, store as _store
+from .record import ABORT, COMMIT, PASS, Board, Record, Register, read_record
+from .vote import GRACE_S, REJOIN_S, Outcome, members_key, resolve
+
+
+class Book:
+    """This process's bookkeeping of rounds, per rank set (one instance, below): the next
+    round of each call, this rank's board generation, the peers' generations seen, and
+    the lock that serialises this rank's decisions on a set. Only this module writes it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next: dict = {}  # (members key, call) -> this rank's next round of that call
+        self._gens: dict = {}  # members key -> this rank's board generation
+        self._seen: dict = {}  # members key -> {peer rank: board generation seen}
+        self._set_locks: dict = {}  # members key -> lock serialising decisions on that set
+
+    def set_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._set_locks.setdefault(key, threading.Lock())
+
+    def next_round(self, mkey: str, call: str) -> int:
+        with self._lock:
+            return self._next.get((mkey, call), 0)
+
+    def consume(self, mkey: str, call: str, c: int) -> None:
+        with self._lock:
+            self._next[(mkey, call)] = max(self._next.get((mkey, call), 0), c + 1)
+
+    def new_generation(self, mkey: str) -> int:
+        with self._lock:
+            gen = self._gens[mkey] = self._gens.get(mkey, 0) + 1
+            return gen
+
+    def seen(self, mkey: str) -> dict:
+        with self._lock:
+            return dict(self._seen.get(mkey, {}))
+
+    def mark_seen(self, mkey: str, rank: int, gen: int) -> None:
+        with self._lock:
+            marks = self._seen.setdefault(mkey, {})
+            marks[rank] = max(marks.get(rank, 0), gen)
+
+
+BOOK = Book()
+
+
+def set_lock(key: str) -> threading.Lock:
+    return BOOK.set_lock(key)
+
+
+def _after_fork_in_child():
+    global BOOK
+    BOOK = Book()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StoreRound:
@@ -63,19 +120,18 @@ class StoreRound:
     def open(self) -> Optional[Outcome]:
         """This rank's round for the call; an Outcome if the group decided it already."""
         start = time.monotonic()
-        with _vote._meta:
-            c = _vote._counters.get((self.mkey, self.ident), 0)
+        c = BOOK.next_round(self.mkey, self.ident)
         for _ in range(64):  # bounded: stale commits of an earlier incarnation are skipped
             self.c = c
             reg_key = self._k("reg")
             raw = self._call(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
             if raw is None:
                 break
-            reg = _loads(raw)
-            if reg.get("o") != COMMIT:  # an abort (or all-pass) of this very call: follow it
+            reg = Register.from_json(raw)
+            if not reg.commit:  # an abort (or all-pass) of this very call: follow it
                 self._consume()
                 out = Outcome(False, register=reg, followed=True, key=self._k(),
-                              missing=f"decided before this rank arrived: {reg.get('why', 'abort')}",
+                              missing=f"decided before this rank arrived: {reg.why or 'abort'}",
                               elapsed_s=time.monotonic() - start)
                 self._finish()
                 return out
@@ -84,34 +140,30 @@ class StoreRound:
         return None
 
     def _consume(self):
-        with _vote._meta:
-            key = (self.mkey, self.ident)
-            _vote._counters[key] = max(_vote._counters.get(key, 0), self.c + 1)
+        BOOK.consume(self.mkey, self.ident, self.c)
 
-    def vote(self, record: dict) -> Outcome:
+    def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
         keys = self._rec_keys()
         mine, reg_key = self._k("rec", self.rank), self._k("reg")
-        own_yes = _is_yes(record)
-        with _vote._meta:
-            gen = _vote._gens[self.mkey] = _vote._gens.get(self.mkey, 0) + 1
-        board = json.dumps({"g": gen, "k": self.round_name, "s": "wait" if own_yes else "no",
-                            "a": self.args})
-        payload = json.dumps(record, sort_keys=True, default=str)
+        own_yes = record.is_yes()
+        gen = BOOK.new_generation(self.mkey)
+        board = Board(gen, self.round_name, "wait" if own_yes else "no", self.args).to_json()
+        payload = record.to_json()
         board_key = self._board(self.rank)
         out = Outcome(False, key=self._k())
         if own_yes:
             self._call(lambda s: (s.set(board_key, board), s.set(mine, payload)))
             self.published = True
         else:  # a no needs nobody else: the abort first, then the record
-            why = ("; ".join(_explain.describe(record, cand) for cand in record.get("c", {}).values())
-                   or f"rank {self.rank} said no: {_no_text(record)}")
-            value = json.dumps({"o": ABORT, "by": self.rank, "why": why[:500]})
+            why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
+                   or f"rank {self.rank} said no: {record.no_text()}")
+            value = Register(ABORT, self.rank, why).to_json()
             raw = self._call(lambda s: (s.compare_set(reg_key, "", value),
                                         s.set(board_key, board), s.set(mine, payload))[0])
             self.published = True
-            reg = _loads(raw)
-            out.commit, out.register = reg.get("o") == COMMIT, reg
+            reg = Register.from_json(raw)
+            out.commit, out.register = reg.commit, reg
             out.records = self._records_if_all(keys) or [record]
             out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
             self._mismatches(record, abort_theirs=True)
@@ -126,20 +178,20 @@ class StoreRound:
             reg = self._final(f"rank {self.rank} reached its deadline")
             if reg is None:
                 raise
-            out.commit, out.register = reg.get("o") == COMMIT, reg
+            out.commit, out.register = reg.commit, reg
         self._finish()
         out.elapsed_s = time.monotonic() - start
         return out
 
-    def _final(self, why: str) -> Optional[dict]:
+    def _final(self, why: str) -> Optional[Register]:
         reg_key = self._k("reg")
-        value = json.dumps({"o": ABORT, "by": self.rank, "why": str(why)[:500]})
+        value = Register(ABORT, self.rank, why).to_json()
         try:
             raw = self.line.call(lambda s: s.compare_set(reg_key, "", value),
                                  time.monotonic() + 0.4)
         except _store.StoreTimeout:
             return None
-        return _loads(raw)
+        return Register.from_json(raw)
 
     def _wait(self, out, record, keys, reg_key, start) -> None:
         """Wait for the register. The rank whose record completes the set (an atomic count)
@@ -160,7 +212,7 @@ class StoreRound:
                     op.done.wait(max(min(_store.SLICE_S, board_at - now, self.deadline - now), 0))
                     if op.done.is_set():
                         if op.error is None and op.value is not None:
-                            self._follow(out, record, keys, _loads(op.value))
+                            self._follow(out, record, keys, Register.from_json(op.value))
                             return
                         op = None  # no waiting line, or its read timed out: poll here
                 else:
@@ -172,7 +224,7 @@ class StoreRound:
                     all_in, raw = self._call(lambda s: (
                         s.check(keys), s.get(reg_key) if s.check([reg_key]) else None))
                     if raw is not None:
-                        self._follow(out, record, keys, _loads(raw))
+                        self._follow(out, record, keys, Register.from_json(raw))
                         return
                     if all_in:
                         self._decide_all(out, keys)
@@ -186,7 +238,7 @@ class StoreRound:
                         out.verdict = resolve(out.records)
                         reg = self._write(ABORT, "ranks called with different arguments",
                                           mismatch=finished)
-                        out.commit, out.register = reg.get("o") == COMMIT, reg
+                        out.commit, out.register = reg.commit, reg
                         return
                 if now >= self.deadline:
                     absent = self._absent(keys)
@@ -194,7 +246,7 @@ class StoreRound:
                     out.missing = (f"timed out after {now - start:.1f} s waiting for ranks "
                                    f"{absent}" if absent else "timed out")
                     reg = self._write(ABORT, out.missing)
-                    out.commit, out.register = reg.get("o") == COMMIT, reg
+                    out.commit, out.register = reg.commit, reg
                     if noted:  # the peers we saw making another call, for the message
                         out.records = [record] + noted
                         out.verdict = resolve(out.records)
@@ -227,14 +279,14 @@ class StoreRound:
         if wanted != ABORT and time.monotonic() >= self.deadline:
             wanted = ABORT
         reg = self._write(wanted, out.verdict.why)
-        out.commit, out.register = reg.get("o") == COMMIT, reg
+        out.commit, out.register = reg.commit, reg
 
-    def _follow(self, out, record, keys, reg) -> None:
-        out.commit, out.register = reg.get("o") == COMMIT, reg
+    def _follow(self, out, record, keys, reg: Register) -> None:
+        out.commit, out.register = reg.commit, reg
         if out.commit:
             return
-        if reg.get("mismatch"):
-            out.records = [record] + reg["mismatch"]
+        if reg.mismatch:
+            out.records = [record] + list(reg.mismatch)
             out.verdict = resolve(out.records)
             return
         records = self._records_if_all(keys)
@@ -254,9 +306,8 @@ class StoreRound:
         keys = [self._board(r) for r in peers]
 
         def read(s):
-            with _vote._meta:
-                known = dict(_vote._seen.get(self.mkey, {}))
-            return known, [(_loads(s.get(k)) if s.check([k]) else None) for k in keys]
+            known = BOOK.seen(self.mkey)
+            return known, [(Board.from_json(s.get(k)) if s.check([k]) else None) for k in keys]
         try:
             seen, boards = self._call(read)
         except Exception:  # noqa: BLE001 - only an early exit; the deadline still holds
@@ -264,66 +315,66 @@ class StoreRound:
         waiting, finished = [], []
         now = time.monotonic()
         for rank, b in zip(peers, boards):
-            if b and self._aborted.get(rank) == b.get("g") and b.get("s") == "done":
-                # a peer whose other call we aborted has finished it: if it does not come to
-                # our round soon, it was a mismatch, not a call it made before ours
-                since = self._done_at.setdefault(rank, now)
-                if now - since > REJOIN_S:
-                    finished.append({"m": MAGIC, "rank": rank, "id": "other",
-                                     "args": b.get("a", {}), "c": {}})
+            verdict = self._judge(rank, b, seen, now)
+            if verdict is None:
                 continue
-            if (b and rank in self._aborted and b.get("g", 0) > self._aborted[rank]
-                    and b.get("k") != self.round_name):
-                # it finished the call we aborted and moved on to yet another one: it is not
-                # coming to ours; abort our round and leave its new one alone (we may join it)
-                finished.append({"m": MAGIC, "rank": rank, "id": "other",
-                                 "args": b.get("a", {}), "c": {}})
+            stand_in = Record.stand_in(rank, "other", b.args)
+            if verdict == "finished":
+                finished.append(stand_in)
                 continue
-            if not b or b.get("g", 0) <= seen.get(rank, 0) or b.get("k") == self.round_name:
-                continue
-            ident, _, c = str(b.get("k")).rpartition("/")
-            with _vote._meta:
-                behind_us = _vote._counters.get((self.mkey, ident), 0) > int(c or 0)
-            if behind_us:  # a round this rank already finished: old news, not a mismatch
-                with _vote._meta:
-                    marks = _vote._seen.setdefault(self.mkey, {})
-                    marks[rank] = max(marks.get(rank, 0), b.get("g", 0))
-                continue
-            pseudo = {"m": MAGIC, "rank": rank, "id": "other", "args": b.get("a", {}), "c": {}}
-            if b.get("s") != "wait":
-                finished.append(pseudo)
-                continue
-            waiting.append(pseudo)
+            waiting.append(stand_in)
             if abort_theirs:
-                their = "/".join(["fiws", self.mkey, ident, c, "reg"])
-                note = json.dumps({"o": ABORT, "by": self.rank, "why": "ranks called with "
-                                   "different arguments", "mismatch": [
-                                       {"m": MAGIC, "rank": self.rank, "id": self.ident,
-                                        "args": self.args, "c": {}}]})
-                try:
-                    self._call(lambda s, k=their, v=note: s.compare_set(k, "", v))
-                except Exception:  # noqa: BLE001
-                    pass
-                with _vote._meta:
-                    marks = _vote._seen.setdefault(self.mkey, {})
-                    marks[rank] = max(marks.get(rank, 0), b.get("g", 0))
-                self._aborted[rank] = b.get("g")
+                self._abort_theirs(rank, b)
         return waiting, finished
 
-    def _write(self, outcome: str, why: str, mismatch=None) -> dict:
+    def _judge(self, rank: int, b: Optional[Board], seen: dict, now: float) -> Optional[str]:
+        """What a peer's board entry says about our round: ``"waiting"`` (it waits on
+        another call now), ``"finished"`` (it decided another call without us), or None."""
+        if b is None:
+            return None
+        if self._aborted.get(rank) == b.generation and b.state == "done":
+            # a peer whose other call we aborted has finished it: if it does not come to
+            # our round soon, it was a mismatch, not a call it made before ours
+            since = self._done_at.setdefault(rank, now)
+            return "finished" if now - since > REJOIN_S else None
+        if (rank in self._aborted and b.generation > self._aborted[rank]
+                and b.round != self.round_name):
+            # it finished the call we aborted and moved on to yet another one: it is not
+            # coming to ours; abort our round and leave its new one alone (we may join it)
+            return "finished"
+        if b.generation <= seen.get(rank, 0) or b.round == self.round_name:
+            return None
+        call, _, c = b.round.rpartition("/")
+        if BOOK.next_round(self.mkey, call) > int(c or 0):
+            # a round this rank already finished: old news, not a mismatch
+            BOOK.mark_seen(self.mkey, rank, b.generation)
+            return None
+        return "waiting" if b.state == "wait" else "finished"
+
+    def _abort_theirs(self, rank: int, b: Board) -> None:
+        """Abort a peer's round of another call (it learns at once, with both values)."""
+        call, _, c = b.round.rpartition("/")
+        their = "/".join(["fiws", self.mkey, call, c, "reg"])
+        note = Register(ABORT, self.rank, "ranks called with different arguments",
+                        mismatch=(Record.stand_in(self.rank, self.ident, self.args),)).to_json()
+        try:
+            self._call(lambda s: s.compare_set(their, "", note))
+        except Exception:  # noqa: BLE001 - only an early exit; its deadline still holds
+            pass
+        BOOK.mark_seen(self.mkey, rank, b.generation)
+        self._aborted[rank] = b.generation
+
+    def _write(self, outcome: str, why: str, mismatch=()) -> Register:
         reg_key = self._k("reg")
-        value = {"o": outcome, "by": self.rank, "why": str(why)[:500]}
-        if mismatch:
-            value["mismatch"] = mismatch
-        text = json.dumps(value)
-        return _loads(self._call(lambda s: s.compare_set(reg_key, "", text)))
+        text = Register(outcome, self.rank, why, tuple(mismatch)).to_json()
+        return Register.from_json(self._call(lambda s: s.compare_set(reg_key, "", text)))
 
     def _records(self, keys) -> list:
-        return [_loads(v) for v in self._call(lambda s: s.multi_get(keys))]
+        return [read_record(v) for v in self._call(lambda s: s.multi_get(keys))]
 
     def _records_if_all(self, keys) -> list:
         try:
-            return self._call(lambda s: [_loads(v) for v in s.multi_get(keys)]
+            return self._call(lambda s: [read_record(v) for v in s.multi_get(keys)]
                               if s.check(keys) else [])
         except Exception:  # noqa: BLE001 - only for the message
             return []
@@ -350,18 +401,14 @@ class StoreRound:
         def wrap_up(s):
             if published:
                 raw = s.get(self._board(me)) if s.check([self._board(me)]) else None
-                mine = _loads(raw) if raw is not None else None
-                if mine and mine.get("k") == self.round_name:
-                    mine["s"] = "done"
-                    s.set(self._board(me), json.dumps(mine))
-            gens = {}
+                mine = Board.from_json(raw) if raw is not None else None
+                if mine is not None and mine.round == self.round_name:
+                    s.set(self._board(me), dataclasses.replace(mine, state="done").to_json())
             for rank, key in boards:
                 if rank != me and s.check([key]):
-                    gens[rank] = _loads(s.get(key)).get("g", 0)
-            with _vote._meta:
-                seen = _vote._seen.setdefault(mkey, {})
-                for rank, g in gens.items():
-                    seen[rank] = max(seen.get(rank, 0), g)
+                    peer = Board.from_json(s.get(key))
+                    if peer is not None:
+                        BOOK.mark_seen(mkey, rank, peer.generation)
             if s.add(done_key, 1) >= size:
                 for key in keys:
                     try:
@@ -375,7 +422,7 @@ class StoreRound:
         if self.c is None or self.finished:
             return
         reg_key = self._k("reg")
-        value = json.dumps({"o": ABORT, "by": self.rank, "why": str(why)[:500]})
+        value = Register(ABORT, self.rank, why).to_json()
         self.line.submit(lambda s: s.compare_set(reg_key, "", value)).done.wait(0.2)
         self._consume()
         self._finish()

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from ._plan import round_up
+from ..planning.plan import round_up
 
 _DRIVER_AT = (("flashinfer.comm.mnnvl", "cuda"), ("flashinfer.comm.trtllm_mnnvl_ar", "cuda"))
 _CUDART_AT = (("flashinfer.comm.cuda_ipc", "cudart"), ("flashinfer.comm.trtllm_ar", "cudart"))

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Union
 
-from .._plan import ELEMENT_SIZE, Allocation, Facts, PassThrough, Plan, Request, Unplanned, dtype_name
+from ..plan import (
+    ELEMENT_SIZE,
+    Allocation,
+    Facts,
+    PassThrough,
+    Plan,
+    Request,
+    Unplanned,
+    dtype_name,
+)
 from .allocators import c_alloc
 from .common import is_int
 from .versions import Traits, is_unknown, parse_version

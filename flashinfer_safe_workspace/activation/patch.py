@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from ._log import logger, rank_tag
+from .._log import logger, rank_tag
 
 # (defining module, function name, entry)
 TARGETS = (
@@ -37,7 +37,7 @@ def is_ours(obj) -> bool:
 def _proxy_for(name: str, original, entry: str):
     import wrapt
 
-    from ._wrapper import make_wrapper
+    from .._wrapper import make_wrapper
 
     have = _proxies.get(name)
     if have is not None and have[0] is original:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .._plan import ELEMENT_SIZE, PassThrough, Request, Unplanned, dtype_name
+from ..plan import ELEMENT_SIZE, PassThrough, Request, Unplanned, dtype_name
 
 
 def is_int(value) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from .._plan import Allocation, Facts, PassThrough, Plan, Request, dtype_name, round_up
+from ..plan import Allocation, Facts, PassThrough, Plan, Request, dtype_name, round_up
 from .allocators import A_ROUNDING, b_alloc, c_alloc
 from .common import is_int
 from .versions import Traits

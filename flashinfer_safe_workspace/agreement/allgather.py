@@ -7,8 +7,9 @@ import os
 import threading
 import time
 
-from . import _store
-from ._vote import MAGIC, PASS, Outcome, resolve
+from . import store as _store
+from .record import ABORT, COMMIT, PASS, Record, Register, read_record
+from .vote import Outcome, resolve
 
 _blocked: dict = {}  # id(comm) -> (comm, the helper thread still inside its allgather)
 
@@ -28,27 +29,29 @@ class AllgatherRound:
     def open(self):
         return None
 
-    def vote(self, record: dict) -> Outcome:
+    def vote(self, record: Record) -> Outcome:
         """Two exchanges: the records, then every rank's verdict on what it received. The
         decision is the AND of the second: a rank that received a short or malformed answer
         says so, and no peer creates."""
         start = time.monotonic()
-        got, why = self._gather(dict(record))
+        got, why = self._gather(record.to_json())
         if got is None and why.startswith("!"):  # blocked or failed: no second exchange
             return Outcome(False, missing=why[1:], elapsed_s=time.monotonic() - start)
-        verdict = resolve(got) if got is not None else None
+        records = [read_record(r) for r in got] if got is not None else None
+        verdict = resolve(records) if records is not None else None
         mine = bool(verdict is not None and (verdict.commit or verdict.all_pass))
-        second, why2 = self._gather({"m": MAGIC, "ok": mine, "why": why})
+        second, why2 = self._gather(Register(COMMIT if mine else ABORT, self.me, why).to_json())
         if second is None:
-            return Outcome(False, verdict, got or [], missing=why2.lstrip("!"),
+            return Outcome(False, verdict, records or [], missing=why2.lstrip("!"),
                            elapsed_s=time.monotonic() - start)
-        every = all(isinstance(r, dict) and r.get("m") == MAGIC and r.get("ok") is True
-                    for r in second)
+        answers = [Register.from_json(r) if isinstance(r, (str, bytes)) else
+                   Register(ABORT, why=f"not a register: {type(r).__name__}") for r in second]
+        every = all(a.commit for a in answers)
         missing = "" if every else (why or "a rank rejected the exchange: " + "; ".join(
-            str(r.get("why")) for r in second if isinstance(r, dict) and r.get("why")))
+            a.why for a in answers if a.why))
         passing = every and mine and not verdict.commit
-        return Outcome(every and mine and verdict.commit, verdict, got or [],
-                       register={"o": PASS} if passing else {},
+        return Outcome(every and mine and verdict.commit, verdict, records or [],
+                       register=Register(PASS) if passing else None,
                        missing=missing if not every else "", elapsed_s=time.monotonic() - start)
 
     def _gather(self, obj):

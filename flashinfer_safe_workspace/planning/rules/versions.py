@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Optional
 
-from .._plan import Unplanned
+from ..plan import Unplanned
 
 NEWEST = (0, 7, 4, 0)
 

@@ -1,4 +1,4 @@
-"""A creation call's arguments: the normalised Request, its identity, and its record.
+"""A creation call's arguments: the normalised Request and its identity.
 
 The identity is what every rank of the group must have called with (everything but the
 rank index and the per-call objects such as ``group`` or ``comm_backend``): equal calls
@@ -14,8 +14,9 @@ import os
 import sys
 from typing import Callable, Optional
 
-from . import _group, _plan, _vote
-from ._plan import Request, dtype_name
+from ..agreement import group as _group, vote as _vote
+from . import plan as _plan
+from .plan import Request, dtype_name
 
 UNIFIED = "unified"
 LEGACY = "legacy"
@@ -82,19 +83,6 @@ def summary(req: Request) -> dict:
 
 def identity(req: Request) -> str:
     return _vote.digest(summary(req))
-
-
-def base_record(req: Request, members: _group.Members) -> dict:
-    return {"m": _vote.MAGIC, "rank": _group.global_rank(), "pid": os.getpid(),
-            "pos": members.me, "id": identity(req), "args": summary(req), "c": {}}
-
-
-def record_for_unbound(members: _group.Members) -> dict:
-    """The "no" of a rank whose arguments do not bind (its FlashInfer call raises)."""
-    return {"m": _vote.MAGIC, "rank": _group.global_rank(), "pid": os.getpid(),
-            "pos": members.me, "id": "unbound", "args": {"arguments": "do not bind"},
-            "c": {"-": {"s": "no", "r": _vote.PASS_THROUGH,
-                        "n": "its arguments do not bind to FlashInfer's signature"}}}
 
 
 def uses_comm_backend(req: Request) -> bool:
@@ -169,7 +157,7 @@ def plan_for(req: Request, facts, version: Optional[str]):
 
 def facts_for(req: Request, members=None):
     """This rank's facts from the runtime (driver, FlashInfer, torch's signal pad)."""
-    from . import _facts, _probe
+    from . import facts as _facts, probe as _probe
 
     cc = _confidential_compute() if req.entry == UNIFIED else False
     ws = req.world_size if isinstance(req.world_size, int) else 1
@@ -178,7 +166,7 @@ def facts_for(req: Request, members=None):
 
 def _confidential_compute() -> bool:
     """FlashInfer's own answer where the release has it (it caches it)."""
-    from . import _config
+    from .. import _config
 
     utils = sys.modules.get("flashinfer.utils")
     fn = getattr(utils, "is_confidential_compute", None)
@@ -189,7 +177,7 @@ def _confidential_compute() -> bool:
 
 def headroom(settings, req: Request, bound: dict):
     """(bytes, why) of the headroom for this call (``_headroom``: the group decides)."""
-    from . import _headroom
+    from . import headroom as _headroom
 
     return _headroom.resolve(settings.headroom_mb, entry=req.entry, backend=req.backend,
                              group=bound.get("group"), comm_backend=bound.get("comm_backend"),

@@ -17,10 +17,9 @@ import threading
 import time
 from typing import Optional
 
-from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, round_up
+from .plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, round_up
 
-# reason codes live with the records (_vote); the probe reports these two
-from ._vote import OK, OUT_OF_MEMORY, PROBE_ERROR  # noqa: E402,F401
+from .._reasons import OK, OUT_OF_MEMORY, PROBE_ERROR
 
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 
@@ -242,7 +241,7 @@ class CudaProber:
                 errors.append(exc)
             result.elapsed_s = time.perf_counter() - start
             if errors:
-                from ._log import internal_error
+                from .._log import internal_error
                 internal_error("probe.release", errors[0])
 
 

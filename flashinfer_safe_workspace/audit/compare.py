@@ -34,8 +34,8 @@ import threading
 import time
 from typing import Optional
 
-from ._intercept import Recorder
-from ._plan import DEFAULT_GRANULARITY, FALLBACK_TORCH_SIGNAL_PAD, Allocation, Plan
+from .intercept import Recorder
+from ..planning.plan import DEFAULT_GRANULARITY, FALLBACK_TORCH_SIGNAL_PAD, Allocation, Plan
 
 logger = logging.getLogger("flashinfer_safe_workspace")
 
@@ -284,7 +284,7 @@ def _held(items) -> int:
 
 def _signal_pad() -> int:
     """The installed torch's symmetric-memory signal pad (the one source: ``_facts``)."""
-    from . import _facts
+    from ..planning import facts as _facts
 
     return _facts.signal_pad()[0]
 

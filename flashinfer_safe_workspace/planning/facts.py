@@ -18,8 +18,14 @@ import dataclasses
 import threading
 from typing import Callable, Optional
 
-from ._log import logger
-from ._plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, FALLBACK_TORCH_SIGNAL_PAD, Facts, MiB
+from .._log import logger
+from .plan import (
+    DEFAULT_GRANULARITY,
+    DEFAULT_MC_GRANULARITY,
+    FALLBACK_TORCH_SIGNAL_PAD,
+    Facts,
+    MiB,
+)
 
 # H200, measured with scripts/mc-granularity (docs/gpu/mc-granularity-*.jsonl, POSIX and
 # FABRIC, 2 and 8 devices): RECOMMENDED multicast granularity 2 MiB for a 2 MiB

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from .._plan import Allocation, Facts, PassThrough, Plan, Request, round_up
+from ..plan import Allocation, Facts, PassThrough, Plan, Request, round_up
 from .allocators import b_alloc, c_alloc
 from .common import element_size, is_int
 from .versions import Traits

@@ -8,7 +8,7 @@ RU(RU(size, 16) + torch's signal pad, G), then the rendezvous' pointer arrays).
 
 from __future__ import annotations
 
-from .._plan import MiB, Allocation, Facts, round_up
+from ..plan import MiB, Allocation, Facts, round_up
 
 SIGNAL_PAD = 2048  # flashinfer.comm.mnnvl SIGNAL_PAD_SIZE, every release
 A_ROUNDING = 2 * MiB  # trtllm buffers before SymmDeviceMemory/cudaMalloc, 0.5.0–0.6.9

@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Tuple, Union
 
-from ._config import ParseError
+from .._config import ParseError
 
 MiB = 1 << 20
 

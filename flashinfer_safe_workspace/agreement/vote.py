@@ -28,43 +28,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import threading
 import time
 from typing import Any, Optional
 
+from .._reasons import INTERNAL_ERROR
+from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register
 
-MAGIC = "fiws1"
-
-# reason codes carried in records
-OK = 0
-OUT_OF_MEMORY = 1
-PROBE_ERROR = 2
-INTERNAL_ERROR = 3
-UNPLANNED = 4
-NO_DEVICE = 5
-ARG_MISMATCH = 6
-UNKNOWN_VERSION = 7
-PASS_THROUGH = 8
-INTERRUPTED = 9
-DRIVER_ERROR = 10
-
-REASON_TEXT = {
-    OK: "ok",
-    OUT_OF_MEMORY: "out of memory",
-    PROBE_ERROR: "probe failed",
-    INTERNAL_ERROR: "internal error",
-    UNPLANNED: "no allocation rule for this call",
-    NO_DEVICE: "no usable CUDA driver or device",
-    ARG_MISMATCH: "arguments disagree with the group",
-    UNKNOWN_VERSION: "FlashInfer release not mirrored",
-    PASS_THROUGH: "FlashInfer rejects these arguments before allocating",
-    INTERRUPTED: "interrupted",
-    DRIVER_ERROR: "a CUDA driver query failed",
-}
-
-COMMIT, ABORT, PASS = "commit", "abort", "pass"  # PASS: every rank calls FlashInfer, which
-# rejects the arguments itself (the same call on every rank, so the same error)
 REJOIN_S = 0.5  # a peer whose mismatched call we aborted gets this long to join our round
 GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
 # register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
@@ -90,36 +59,35 @@ class Verdict:
 
 
 def resolve(records: list) -> Verdict:
-    """The group's answer from every rank's record (pure; the same on every rank)."""
-    bad = [i for i, r in enumerate(records) if not isinstance(r, dict) or r.get("m") != MAGIC]
+    """The group's answer from every rank's record (pure; the same on every rank). A
+    position holding None had an unreadable record."""
+    bad = [i for i, r in enumerate(records) if not isinstance(r, Record)]
     if bad:
         return Verdict(False, f"malformed records from positions {bad}")
-    idents = {r["id"] for r in records}
-    if len(idents) > 1:
-        fields = sorted({k for r in records for k in r.get("args", {})})
+    if len({r.call for r in records}) > 1:
+        fields = sorted({k for r in records for k in r.args})
         diff = []
         for name in fields:
             by_value: dict = {}
             for pos, r in enumerate(records):
-                by_value.setdefault(repr(r.get("args", {}).get(name)), []).append(pos)
+                by_value.setdefault(repr(r.args.get(name)), []).append(pos)
             if len(by_value) > 1:
                 diff.append((name, by_value))
         return Verdict(False, "ranks called with different arguments", mismatch=tuple(diff))
-    auto = bool(records[0].get("auto"))
     cand = "-"
-    if auto:
-        cand = "mc" if all(r.get("mc") for r in records) else "nomc"
-    states = [r.get("c", {}).get(cand) or {"s": "no", "r": INTERNAL_ERROR,
-                                             "n": f"no {cand} candidate"} for r in records]
-    passing = tuple(i for i, s in enumerate(states) if s.get("s") == "pass")
-    no = tuple(i for i, s in enumerate(states) if s.get("s") not in ("ok", "pass"))
+    if records[0].auto:
+        cand = "mc" if all(r.multicast for r in records) else "nomc"
+    missing = Candidate(NO, INTERNAL_ERROR, f"no {cand} candidate")
+    states = [r.candidates.get(cand, missing).state for r in records]
+    passing = tuple(i for i, s in enumerate(states) if s == PASS_STATE)
+    no = tuple(i for i, s in enumerate(states) if s not in (YES, PASS_STATE))
     if passing and len(passing) == len(states):  # every rank: FlashInfer rejects it itself
         return Verdict(False, "FlashInfer rejects these arguments on every rank", cand,
                        passing=passing, all_pass=True)
     if no or passing:
         why = "a rank said no" if no else "FlashInfer rejects the arguments on some ranks only"
         return Verdict(False, why, cand, no, passing)
-    digests = [s.get("d") for s in states]
+    digests = [r.candidates[cand].plan_digest for r in records]
     common = max(set(digests), key=digests.count)
     differ = tuple(i for i, d in enumerate(digests) if d != common)
     if differ:
@@ -135,7 +103,7 @@ class Outcome:
     commit: bool
     verdict: Optional[Verdict] = None
     records: list = dataclasses.field(default_factory=list)  # complete set, when seen
-    register: dict = dataclasses.field(default_factory=dict)
+    register: Optional[Register] = None
     missing: str = ""  # why the round did not complete normally
     absent: tuple = ()  # ranks whose record never arrived
     in_doubt: bool = False  # the register could not be read: this rank vetoes
@@ -145,33 +113,6 @@ class Outcome:
 
 
 # --------------------------------------------------------------------------- rounds
-
-_counters: dict = {}  # (members key, identity) -> this rank's next round of that call
-_gens: dict = {}  # members key -> this rank's board generation
-_seen: dict = {}  # members key -> {peer rank: board generation seen at the end of a round}
-_locks: dict = {}  # members key -> lock serialising this rank's decisions on that set
-_meta = threading.Lock()
-
-
-def set_lock(members_key: str) -> threading.Lock:
-    with _meta:
-        lock = _locks.get(members_key)
-        if lock is None:
-            lock = _locks[members_key] = threading.Lock()
-        return lock
-
-
-def _after_fork_in_child():
-    global _meta
-    _meta = threading.Lock()
-    _locks.clear()
-    _counters.clear()
-    _gens.clear()
-    _seen.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def members_key(ranks: tuple) -> str:
@@ -192,44 +133,12 @@ class LocalRound:
     def open(self):
         return None
 
-    def vote(self, record: dict) -> Outcome:
+    def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
         verdict = resolve([record])
         return Outcome(verdict.commit, verdict, [record],
-                       register={"o": PASS} if verdict.all_pass else {},
+                       register=Register(PASS) if verdict.all_pass else None,
                        elapsed_s=time.monotonic() - start)
 
     def abort_now(self, why: str) -> None:
         pass
-
-
-def _is_yes(record: dict) -> bool:
-    """Whether this record can still be part of a commit (or of an all-pass): such a rank
-    waits for every record; any other rank decides abort at once."""
-    cands = record.get("c", {})
-    if not cands:
-        return False
-    states = [c.get("s") for c in cands.values()]
-    if record.get("auto"):
-        return any(s in ("ok", "pass") for s in states)
-    return all(s in ("ok", "pass") for s in states)
-
-
-def _no_text(record: dict) -> str:
-    """A rank's reasons for its no, short (for the register, which late ranks read)."""
-    parts = []
-    for cand in record.get("c", {}).values():
-        text = REASON_TEXT.get(cand.get("r"), "no")
-        note = cand.get("n")
-        parts.append(f"{text}: {note}" if note and note != text else text)
-    return "; ".join(parts)[:400] or "no"
-
-
-def _loads(raw) -> dict:
-    if isinstance(raw, (bytes, bytearray)):
-        raw = raw.decode()
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {"o": ABORT, "why": "unreadable value in the store"}
-    return value if isinstance(value, dict) else {"o": ABORT, "why": "unreadable value"}

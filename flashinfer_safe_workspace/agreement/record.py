@@ -1,0 +1,179 @@
+"""What crosses the wire: a rank's record, a round's register, a rank's board entry.
+
+Every value the agreement writes to the store (or hands to a comm backend's
+``allgather``) is one of these dataclasses as JSON, with the wire version first. Nothing
+else builds or reads those JSON texts: a peer that runs another wire version, or a value
+that does not parse, reads as :class:`Unreadable` (a "no" for a record, an ``abort`` for a
+register), never as an exception in the round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional, Union
+
+WIRE = 2  # bump on any change of the fields below
+
+from .._reasons import OK, REASON_TEXT
+
+# candidate states
+YES, NO, PASS_STATE = "ok", "no", "pass"
+# register outcomes
+COMMIT, ABORT, PASS = "commit", "abort", "pass"
+
+
+class Unreadable(ValueError):
+    """A value in the store that is not a record of this wire version."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way this rank could create the workspace (``auto`` has two), and its answer."""
+
+    state: str  # YES, NO or PASS_STATE (FlashInfer rejects the arguments itself)
+    reason: int = OK
+    note: str = ""
+    plan_digest: str = ""
+    peak_bytes: int = 0
+    headroom_bytes: int = 0
+    backend: str = ""
+    device: int = -1
+    free_bytes: int = -1
+    failed_bytes: int = 0
+    failed_headroom: bool = False  # the headroom, not a planned allocation, did not fit
+    cuda_error: int = 0
+    cuda_error_name: str = ""
+    probe_ms: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self.state in (YES, PASS_STATE)
+
+    def text(self) -> str:
+        label = REASON_TEXT.get(self.reason, "no")
+        return f"{label}: {self.note}" if self.note and self.note != label else label
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What one rank publishes for one decision (exactly one per rank per round)."""
+
+    rank: Optional[int]  # global rank
+    pid: int
+    position: int  # index in the decision's rank set
+    call: str  # the call's identity: every rank of one round must have the same
+    args: dict  # the arguments behind the identity, for messages
+    candidates: dict = dataclasses.field(default_factory=dict)  # name -> Candidate
+    auto: bool = False  # FlashInfer's auto backend, resolved from every rank's records
+    multicast: bool = False  # this rank supports multicast (auto's deciding fact)
+    wire: int = WIRE
+
+    @classmethod
+    def stand_in(cls, rank: int, call: str, args: dict) -> "Record":
+        """A peer we know only from its board entry (for a mismatch message)."""
+        return cls(rank=rank, pid=0, position=-1, call=call, args=dict(args))
+
+    def is_yes(self) -> bool:
+        """Whether this record can still be part of a commit (or of an all-pass): such a
+        rank waits for every record; any other rank decides abort at once."""
+        if not self.candidates:
+            return False
+        usable = [c.usable for c in self.candidates.values()]
+        return any(usable) if self.auto else all(usable)
+
+    def no_text(self) -> str:
+        """This rank's reasons for its no, short (late ranks read it in the register)."""
+        return "; ".join(c.text() for c in self.candidates.values())[:400] or "no"
+
+    def to_json(self) -> str:
+        body = dataclasses.asdict(self)
+        return json.dumps(body, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, raw: Union[str, bytes]) -> "Record":
+        body = _parse(raw, "record")
+        try:
+            cands = {str(k): Candidate(**v) for k, v in body.pop("candidates").items()}
+            return cls(candidates=cands, **body)
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise Unreadable(f"record: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Register:
+    """A round's decision, written once with ``compare_set``: the first write wins."""
+
+    outcome: str  # COMMIT, ABORT or PASS
+    by: Optional[int] = None  # the rank whose write won
+    why: str = ""
+    mismatch: tuple = ()  # Records (stand-ins) of the peers that made another call
+    wire: int = WIRE
+
+    @property
+    def commit(self) -> bool:
+        return self.outcome == COMMIT
+
+    def to_json(self) -> str:
+        body = dataclasses.asdict(self)
+        body["why"] = str(self.why)[:500]
+        body["mismatch"] = [json.loads(r.to_json()) for r in self.mismatch]
+        return json.dumps(body, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, raw: Union[str, bytes]) -> "Register":
+        """An unreadable register reads as an abort: no rank commits on a value it cannot
+        read (an earlier wire version, a foreign key)."""
+        try:
+            body = _parse(raw, "register")
+            body["mismatch"] = tuple(Record.from_json(json.dumps(r))
+                                     for r in body.get("mismatch", ()))
+            reg = cls(**body)
+        except (Unreadable, TypeError, AttributeError) as exc:
+            return cls(ABORT, why=f"unreadable register ({exc})")
+        if reg.outcome not in (COMMIT, ABORT, PASS):
+            return cls(ABORT, why=f"unreadable register outcome {reg.outcome!r}")
+        return reg
+
+
+@dataclasses.dataclass(frozen=True)
+class Board:
+    """A rank's latest round on one rank set: which round, waiting or done, its arguments."""
+
+    generation: int
+    round: str  # "<call>/<n>"
+    state: str  # "wait" | "no" | "done"
+    args: dict = dataclasses.field(default_factory=dict)
+    wire: int = WIRE
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, raw: Union[str, bytes]) -> Optional["Board"]:
+        try:
+            return cls(**_parse(raw, "board"))
+        except (Unreadable, TypeError):
+            return None
+
+
+def _parse(raw, what: str) -> dict:
+    if isinstance(raw, (bytes, bytearray)):
+        raw = bytes(raw).decode(errors="replace")
+    try:
+        body = json.loads(raw)
+    except (TypeError, ValueError):
+        raise Unreadable(f"{what}: not JSON") from None
+    if not isinstance(body, dict):
+        raise Unreadable(f"{what}: not an object")
+    if body.get("wire") != WIRE:
+        raise Unreadable(f"{what}: wire version {body.get('wire')!r}, expected {WIRE}")
+    return body
+
+
+def read_record(raw) -> Optional[Record]:
+    """A record from the store, or None when it is unreadable (a "no" in the verdict)."""
+    try:
+        return Record.from_json(raw)
+    except Unreadable:
+        return None
