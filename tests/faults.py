@@ -45,6 +45,15 @@ class Scenario:
     env: dict = dataclasses.field(default_factory=dict)
     timeout: float = 60.0
     host: bool = True  # every rank alive at the end: check the host's own all_reduce
+    reasons: dict = dataclasses.field(default_factory=dict)  # rank -> the veto's reason names
+    internal_errors: tuple = ()  # sites where the scenario injects an error into our code
+
+    def verify(self, runs) -> None:
+        """``check``, then the reason codes each listed rank's veto gave."""
+        self.check(runs)
+        for rank, want in self.reasons.items():
+            got = _res(runs, rank).get("reasons")
+            _expect(got == list(want), f"rank {rank}: reasons {got}, expected {list(want)}")
 
 
 def _res(runs, rank):
@@ -92,7 +101,7 @@ def _call(extra="", prelude="", **create):
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T{extra})
 {prelude}
 outcome, secs, err = rank_lib.create(rank=RANK{', ' + args if args else ''})
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """
 
 
@@ -120,7 +129,7 @@ dev = rank_lib.setup(free_mb=FREE, vote_timeout=T, on_veto="raise")
 if RANK == 1:
     time.sleep(T + 1.5)
 outcome, secs, err = rank_lib.create(rank=RANK)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "both vetoed; rank 0 names rank 1 as absent; rank 1 follows the decided abort at once",
         lambda runs: (none_on(outcome="vetoed")(runs),
@@ -140,7 +149,7 @@ else:
 outcome, secs, err = rank_lib.create(rank=RANK)
 if RANK == 0:
     helper.join(30)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "both None; rank 0 within the bound; rank 1 aborts on resume (its deadline passed)",
         lambda runs: (all_or_none(runs, [0]), all_or_none(runs, [1], bound=BOUND + VOTE_TIMEOUT + 1.5),
@@ -160,7 +169,7 @@ else:
 outcome, secs, err = rank_lib.create(rank=RANK)
 if RANK == 1:
     helper.join(30)  # resume the store host before reporting (the report's time is taken above)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 1 returns None within the bound while the store is stopped; rank 0 None on resume",
         lambda runs: (all_or_none(runs, [1]), all_or_none(runs, [0], bound=BOUND + VOTE_TIMEOUT + 3.5),
@@ -180,7 +189,7 @@ try:
     outcome, secs, err = rank_lib.create(rank=RANK)
 except KeyboardInterrupt:
     outcome, secs, err = "interrupted", time.perf_counter() - t0, ""
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 0: KeyboardInterrupt within 0.5 s of the signal, abort written first; rank 1 (later): None at once",
         lambda runs: (all_or_none(runs),
@@ -197,7 +206,7 @@ try:
     outcome, secs, err = rank_lib.create(rank=RANK)
 except KeyboardInterrupt:
     outcome, secs, err = "interrupted", 0.0, ""
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 1: interrupt propagates, nothing held, abort written; rank 0: None at once (not at the timeout)",
         lambda runs: (all_or_none(runs),
@@ -274,7 +283,7 @@ result.update(first=first[0], first_secs=first[1], first_err=first[2], outcome=o
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 outcome, secs, err = rank_lib.create(rank=RANK, backend="bogus")
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "FlashInfer's own error on both, at once (every rank passes through)",
         lambda runs: [_expect(_res(runs, r)["outcome"] == "error" and "bogus" in _res(runs, r)["err"]
@@ -306,7 +315,7 @@ class ShortGather:
         return out[:1] if RANK == 0 else out
     def barrier(self): dist.barrier()
 outcome, secs, err = rank_lib.create(rank=RANK, comm_backend=ShortGather())
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "both None (rank 0 rejects the short answer; rank 1 learns it in the second exchange)",
         none_on(bound=2.0)),
@@ -317,7 +326,7 @@ sub = dist.new_group([0, 1], backend="gloo")
 if RANK in (0, 1):
     dev = rank_lib.setup(free_mb=(1 if RANK == 1 else None), vote_timeout=T)
     outcome, secs, err = rank_lib.create(rank=RANK, group=sub)
-    result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+    result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 else:
     time.sleep(T + 1)
     result.update(outcome="busy", secs=0.0, calls=0, live=0)
@@ -386,7 +395,7 @@ if RANK == 0:
     while "pid" not in child: time.sleep(0.01)
     os.waitpid(child["pid"], 0)
     result["child"] = json.loads(os.read(r, 1000).decode())
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "the parents create on both; the forked child gets None at once (it is no rank) and does not hang",
         lambda runs: (created_on_all(runs),
@@ -404,7 +413,7 @@ dev = rank_lib.setup(free_mb=FREE)
 from flashinfer_safe_workspace import _config
 s = _config.current()
 outcome, secs, err = rank_lib.create(rank=RANK)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes,
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes,
               settings=[s.headroom_mb, s.vote_timeout, s.on_veto])
 """,
         "one warning per bad variable (and one for the misspelt name), defaults used, veto still works",
@@ -453,4 +462,5 @@ def run(scenario: Scenario):
     env = {"FIWS_T": VOTE_TIMEOUT, "FIWS_LINGER_S": 15}
     env.update(scenario.env)
     body = COMMON + scenario.body + (HOST if scenario.host else "")
-    return run_ranks(scenario.world, body, env=env, timeout=scenario.timeout)
+    return run_ranks(scenario.world, body, env=env, timeout=scenario.timeout,
+                     internal_errors=scenario.internal_errors)

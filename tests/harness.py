@@ -11,10 +11,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import strict
+
 HERE = Path(__file__).resolve().parent
 MARK = "FIWS_RESULT "
 
 PRELUDE = """
+import strict; strict.install()
 import datetime, json, os, sys, time
 import torch
 import torch.distributed as dist
@@ -57,9 +60,12 @@ def clean_env(**extra) -> dict:
 
 
 def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None = None,
-              rank_env: dict | None = None) -> list[dict]:
+              rank_env: dict | None = None, internal_errors=()) -> list[dict]:
     """Start ``world`` ranks running PRELUDE + body + EPILOGUE; return one dict per rank:
-    ``{"rank", "result" (dict or None), "returncode", "stderr", "wall_s"}``."""
+    ``{"rank", "result" (dict or None), "returncode", "stderr", "wall_s", "internal_errors"}``.
+
+    Strict mode (tests/strict.py): an internal error reported by a rank at a site not in
+    ``internal_errors`` fails here (``None``: the caller checks them itself)."""
     script = PRELUDE + textwrap.dedent(body) + EPILOGUE
     port = free_port()
     procs = []
@@ -82,7 +88,10 @@ def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None 
         line = next((l for l in stdout.splitlines() if l.startswith(MARK)), None)
         out.append({"rank": rank, "result": json.loads(line[len(MARK):]) if line else None,
                     "returncode": proc.returncode, "stderr": stderr[-3000:],
-                    "wall_s": time.monotonic() - start})
+                    "wall_s": time.monotonic() - start,
+                    "internal_errors": strict.sites_in(stderr)})
+    for r in out:
+        strict.check(r["internal_errors"], internal_errors, f"rank {r['rank']}")
     return out
 
 
