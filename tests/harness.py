@@ -29,14 +29,19 @@ result = {"rank": RANK}
 
 EPILOGUE = """
 print("FIWS_RESULT " + json.dumps(result, default=str), flush=True)
-# rank 0 hosts the TCPStore: it stays until every rank is done (bounded), so that a rank
-# finishing early never takes the store away from a peer still deciding
+# every rank stays until every rank has reported (bounded): a rank that finishes early never
+# takes the store or its end of a group's connections away from a peer still deciding or
+# still building a group (gloo's connectFullMesh needs every peer up). Rank 0 hosts the
+# store: it leaves last, once every other rank has said it is leaving.
 try:
     _st = dist.distributed_c10d._get_default_store()
+    _linger = datetime.timedelta(seconds=float(os.environ.get("FIWS_LINGER_S", "30")))
     _st.set(f"harness/done/{RANK}", "1")
+    _st.wait([f"harness/done/{r}" for r in range(WORLD)], _linger)
     if RANK == 0:
-        _st.wait([f"harness/done/{r}" for r in range(WORLD)],
-                 datetime.timedelta(seconds=float(os.environ.get("FIWS_LINGER_S", "30"))))
+        _st.wait([f"harness/left/{r}" for r in range(1, WORLD)], _linger)
+    else:
+        _st.set(f"harness/left/{RANK}", "1")
 except Exception:
     pass
 os._exit(0)
