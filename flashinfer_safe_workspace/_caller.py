@@ -31,6 +31,7 @@ class Engine:
     releases: str  # the releases whose call-site code justifies the entry
     on_none: str  # what the engine does with None
     on_exception: str  # what it does with WorkspaceVetoed
+    why_raise: str  # in one clause, why ``auto`` raises for it (the answer's ``why``)
 
 
 # The one table. Every engine here falls back on an exception in every release read
@@ -41,29 +42,24 @@ ENGINES: tuple = (
            "None is stored and dereferenced in the forward); 0.33: caught only as None.destroy(), and "
            "id(None) is registered for the group",
            "non-fused from 0.17 (0.15 uses the legacy entry, which always raises: a clean "
-           "start-up failure on every rank)"),
+           "start-up failure on every rank)",
+           "vLLM 0.17 stores None under python -O; 0.33 registers id(None) for the group"),
     Engine("sglang", "SGLang", "0.5.8, 0.5.10.post1, 0.5.14, 0.5.17, 0.5.19, 0.5.23",
            "0.5.14-0.5.16 drop an all-reduce on None (silently wrong output); 0.5.10.post1 "
            "crashes in the forward",
-           "non-fused from 0.5.9 (0.5.8 uses the legacy entry, which always raises)"),
+           "non-fused from 0.5.9 (0.5.8 uses the legacy entry, which always raises)",
+           "SGLang 0.5.14-0.5.16 drop an all-reduce on None"),
     Engine("lmdeploy", "lmdeploy", "0.18.0",
-           "non-fused (it checks for None itself)", "non-fused"),
+           "non-fused (it checks for None itself)", "non-fused",
+           "lmdeploy 0.18 is non-fused either way; the exception carries the reason"),
     Engine("aphrodite", "aphrodite-engine", "0.24.1",
            "a vLLM fork: None.destroy() caught, id(None) registered for the group (a "
            "second group over the same ranks then raises), no failure latch",
-           "non-fused"),
+           "non-fused", "aphrodite 0.24.1 registers id(None) for the group"),
 )
 
 # frames skipped when looking for the caller
 _SKIP = ("flashinfer_safe_workspace", "flashinfer", "wrapt")
-
-_REASON = {
-    "vllm": "vLLM 0.17 stores None under python -O; 0.33 registers id(None) for the group",
-    "sglang": "SGLang 0.5.14-0.5.16 drop an all-reduce on None",
-    "lmdeploy": "lmdeploy 0.18 is non-fused either way; the exception carries the reason",
-    "aphrodite": "aphrodite 0.24.1 registers id(None) for the group",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
@@ -115,7 +111,7 @@ def resolve(on_veto: str, entry: str) -> Answer:
         engine = engine_of(caller)
         if engine is not None:
             return Answer(RAISE, caller, f"auto: {engine.prefix} falls back on an exception "
-                                         f"({_REASON.get(engine.prefix, engine.on_none)})")
+                                         f"({engine.why_raise})")
         return Answer(NONE, caller, "auto: not a known engine, None as the design asks")
     except Exception as exc:  # noqa: BLE001 - our code never crashes the host
         return Answer(RAISE, "-", f"caller resolution failed ({type(exc).__name__}); raise")

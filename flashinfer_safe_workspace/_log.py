@@ -9,6 +9,8 @@ import sys
 import threading
 import traceback
 
+from . import _reasons
+
 logger = logging.getLogger("flashinfer_safe_workspace")
 
 _handler: logging.Handler | None = None
@@ -46,9 +48,10 @@ def internal_error(site: str, exc: BaseException) -> None:
     with _once_lock:
         first = site not in _once
         _once.add(site)
-    if first:
+    if first:  # the record names its site, for tests' strict mode (tests/strict.py)
         logger.warning("flashinfer_safe_workspace %s: internal error in %s: %s: %s",
-                       rank_tag(), site, type(exc).__name__, exc)
+                       rank_tag(), site, type(exc).__name__, exc,
+                       extra={"fiws_internal_error": site})
     logger.debug("traceback for %s:\n%s", site,
                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
@@ -60,7 +63,7 @@ def internal_error(site: str, exc: BaseException) -> None:
 
 DECISION_FIELDS = ("rank", "pid", "outcome", "entry", "backend", "ranks", "device", "plan_bytes",
                    "free_bytes", "headroom_bytes", "headroom", "probe", "answer", "caller",
-                   "audit", "elapsed_ms")
+                   "audit", "elapsed_ms", "reasons")
 
 DECISION_LINE = re.compile(
     r"fiws decision rank=(?P<rank>-|\d+) pid=(?P<pid>\d+) outcome=(?P<outcome>pass|veto)"
@@ -70,14 +73,14 @@ DECISION_LINE = re.compile(
     r" headroom_bytes=(?P<headroom_bytes>-?\d+) headroom=(?P<headroom>[a-z-]+)"
     r" probe=(?P<probe>ok|no|-) answer=(?P<answer>create|none|raise)"
     r" caller=(?P<caller>[A-Za-z0-9_.<>-]+) audit=(?P<audit>ok|mismatch|skipped|raised|-)"
-    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+)$")
+    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+) reasons=(?P<reasons>-|[A-Z_]+(?:,[A-Z_]+)*)$")
 
 
 def format_decision(**f) -> str:
     return ("fiws decision rank={rank} pid={pid} outcome={outcome} entry={entry} backend={backend} "
             "ranks={ranks} device={device} plan_bytes={plan_bytes} free_bytes={free_bytes} "
             "headroom_bytes={headroom_bytes} headroom={headroom} probe={probe} answer={answer} "
-            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f}").format(**f)
+            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f} reasons={reasons}").format(**f)
 
 
 def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
@@ -86,6 +89,7 @@ def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
         plan, req = d.plan, d.request
         backend = plan.backend if plan is not None else getattr(req, "backend", "-")
         ranks = ",".join(map(str, d.members.ranks)) if d.members is not None else "-"
+        codes = d.veto.reasons if outcome == "veto" and d.veto is not None else ()
         line = format_decision(
             rank=rank_tag().split()[0].split("=")[1], pid=os.getpid(), outcome=outcome,
             entry=getattr(req, "entry", "unified"), backend=backend or "-", ranks=ranks,
@@ -93,7 +97,8 @@ def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
             plan_bytes=plan.peak_bytes if plan is not None else -1, free_bytes=d.free_bytes,
             headroom_bytes=d.headroom_bytes, headroom=d.headroom_why or "-",
             probe="-" if d.probe_ok is None else ("ok" if d.probe_ok else "no"),
-            answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms)
+            answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms,
+            reasons=",".join(_reasons.names(codes)) or "-")
         logger.info(line)
     except Exception as exc:  # noqa: BLE001 - a log line must never fail the call
         internal_error("log.decision", exc)
@@ -112,5 +117,6 @@ def parse_decision_lines(text: str) -> list:
         for key in ("pid", "plan_bytes", "free_bytes", "headroom_bytes"):
             d[key] = int(d[key])
         d["elapsed_ms"] = float(d["elapsed_ms"])
+        d["reasons"] = [] if d["reasons"] == "-" else d["reasons"].split(",")
         out.append(d)
     return out

@@ -12,6 +12,10 @@ UNKNOWN_VERSION = 7
 PASS_THROUGH = 8
 INTERRUPTED = 9
 DRIVER_ERROR = 10
+ABSENT = 11
+STORE_ERROR = 12
+ABORTED = 13
+INCOMPLETE = 14
 
 REASON_TEXT = {
     OK: "ok",
@@ -25,5 +29,17 @@ REASON_TEXT = {
     PASS_THROUGH: "FlashInfer rejects these arguments before allocating",
     INTERRUPTED: "interrupted",
     DRIVER_ERROR: "a CUDA driver query failed",
+    ABSENT: "a rank did not answer in time",
+    STORE_ERROR: "the c10d store did not answer",
+    ABORTED: "the group aborted",
+    INCOMPLETE: "the round did not complete",
 }
+
+NAMES = {code: name for name, code in sorted(globals().items())
+         if name.isupper() and isinstance(code, int)}
+
+
+def names(codes) -> tuple:
+    """The codes' names (``OUT_OF_MEMORY``), sorted: the decision line's ``reasons=``."""
+    return tuple(sorted(NAMES.get(c, str(c)) for c in codes))
 

@@ -14,7 +14,7 @@ import threading
 import time
 
 from .audit import compare as _audit
-from . import _config, _decide, _log
+from . import _config, _decide, _log, _reasons
 from .agreement import explain as _explain
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
@@ -45,7 +45,8 @@ def make_wrapper(entry: str):
                 decision = _decide.Decision("call", "internal error; fail-open")
             else:
                 decision = _decide.Decision("veto", "internal error", _explain.local(
-                    f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}"))
+                    f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}",
+                    (_reasons.INTERNAL_ERROR,)))
         if decision.action == "veto":
             return _refuse(entry, settings, decision.veto, decision)
         token = _inside.set(True)
@@ -103,7 +104,8 @@ def _refuse(entry: str, settings, info, decision=None):
         logger.debug("fiws decision %s outcome=veto-cached entry=%s %s", rank_tag(), entry,
                      _caller.fields(answer))
     if answer.kind == "raise":
-        raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details)
+        raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details,
+                              reasons=info.reasons)
     return None
 
 

@@ -7,6 +7,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "internal_errors(*sites): the test injects a bug at these sites of our code "
+        "(strict mode: any other internal error fails it; each named site must report)")
+
+
 @pytest.fixture(autouse=True)
 def _clean_shim(monkeypatch):
     """Every test starts and ends with the shim uninstalled and default settings."""
@@ -21,3 +27,29 @@ def _clean_shim(monkeypatch):
     fiws.uninstall()
     _probe.set_prober(None)
     _config.reload()
+
+
+@pytest.fixture(autouse=True)
+def _strict(request, monkeypatch):
+    """Strict mode (tests/strict.py): an internal error in our code, in this process, fails
+    the test unless its ``internal_errors`` mark names the site (which then must report)."""
+    from flashinfer_safe_workspace import _log
+
+    original = _log.internal_error
+    seen = []
+
+    def recording(site, exc):
+        seen.append((site, f"{type(exc).__name__}: {exc}"))
+        return original(site, exc)
+
+    for name, module in list(sys.modules.items()):
+        if (name == "flashinfer_safe_workspace" or name.startswith("flashinfer_safe_workspace.")) \
+                and getattr(module, "internal_error", None) is original:
+            monkeypatch.setattr(module, "internal_error", recording)
+    yield seen
+    mark = request.node.get_closest_marker("internal_errors")
+    expected = tuple(mark.args) if mark is not None else ()
+    bad = [s for s in seen if s[0] not in expected]
+    assert not bad, f"internal error in our code (strict mode, tests/strict.py): {bad}"
+    missing = [site for site in expected if site not in {s[0] for s in seen}]
+    assert not missing, f"the test expected an internal error at {missing}; none was reported"

@@ -45,6 +45,25 @@ class Scenario:
     env: dict = dataclasses.field(default_factory=dict)
     timeout: float = 60.0
     host: bool = True  # every rank alive at the end: check the host's own all_reduce
+    reasons: dict = dataclasses.field(default_factory=dict)  # rank -> the veto's reason names
+    internal_errors: tuple = ()  # sites where the scenario injects an error into our code
+
+    def verify(self, runs) -> None:
+        """``check``, then the reason codes each listed rank's veto gave."""
+        self.check(runs)
+        for site in self.internal_errors:  # an injected error must have been seen
+            _expect(any(site in r["internal_errors"] for r in runs),
+                    f"no rank reported the internal error at {site!r} this scenario injects")
+        for rank, want in self.reasons.items():
+            got = _res(runs, rank).get("reasons")
+            options = [list(w) for w in (want if isinstance(want, tuple) else (want,))]
+            _expect(got in options, f"rank {rank}: reasons {got}, expected one of {options}")
+
+
+def told(code: str) -> tuple:
+    """A peer of the rank that said no with ``code``: it saw that record (the same code), or
+    arrived after the abort was written and followed it (ABORTED)."""
+    return ([code], ["ABORTED"])
 
 
 def _res(runs, rank):
@@ -92,7 +111,7 @@ def _call(extra="", prelude="", **create):
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T{extra})
 {prelude}
 outcome, secs, err = rank_lib.create(rank=RANK{', ' + args if args else ''})
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """
 
 
@@ -107,12 +126,14 @@ SCENARIOS = [
         "dead rank before the vote", 2,
         _free() + "if RANK == 1:\n    os._exit(1)\n" + _call(),
         "survivor: None within the bound; FlashInfer not entered",
-        none_on([0]), env={"FIWS_LINGER_S": "1"}, host=False),
+        none_on([0]), env={"FIWS_LINGER_S": "1"}, host=False,
+        reasons={0: ["ABSENT"]}),
     Scenario(
         "rank killed during its probe", 2,
         _free() + _call(prelude="if RANK == 1:\n    dev.probe = lambda *a, **k: os._exit(1)"),
         "survivor: None within the bound",
-        none_on([0]), env={"FIWS_LINGER_S": "1"}, host=False),
+        none_on([0]), env={"FIWS_LINGER_S": "1"}, host=False,
+        reasons={0: ["ABSENT"]}),
     Scenario(
         "late rank (arrives after the timeout)", 2,
         _free() + """
@@ -120,12 +141,13 @@ dev = rank_lib.setup(free_mb=FREE, vote_timeout=T, on_veto="raise")
 if RANK == 1:
     time.sleep(T + 1.5)
 outcome, secs, err = rank_lib.create(rank=RANK)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "both vetoed; rank 0 names rank 1 as absent; rank 1 follows the decided abort at once",
         lambda runs: (none_on(outcome="vetoed")(runs),
                       _expect("ranks [1] did not answer in time" in _res(runs, 0)["err"], _res(runs, 0)),
-                      _expect(_res(runs, 1)["secs"] < 1.0, _res(runs, 1)))),
+                      _expect(_res(runs, 1)["secs"] < 1.0, _res(runs, 1))),
+        reasons={0: ["ABSENT"], 1: ["ABORTED"]}),
     Scenario(
         "rank stopped (SIGSTOP) in the vote, resumed after the timeout", 2,
         _free() + """
@@ -140,11 +162,12 @@ else:
 outcome, secs, err = rank_lib.create(rank=RANK)
 if RANK == 0:
     helper.join(30)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "both None; rank 0 within the bound; rank 1 aborts on resume (its deadline passed)",
         lambda runs: (all_or_none(runs, [0]), all_or_none(runs, [1], bound=BOUND + VOTE_TIMEOUT + 1.5),
-                      _expect([_res(runs, r)["outcome"] for r in (0, 1)] == ["none", "none"], runs))),
+                      _expect([_res(runs, r)["outcome"] for r in (0, 1)] == ["none", "none"], runs)),
+        reasons={0: ["ABSENT"], 1: (["STORE_ERROR"], ["ABSENT"], ["ABORTED"])}),
     Scenario(
         "store host (rank 0) stopped during the vote", 2,
         _free() + """
@@ -160,12 +183,13 @@ else:
 outcome, secs, err = rank_lib.create(rank=RANK)
 if RANK == 1:
     helper.join(30)  # resume the store host before reporting (the report's time is taken above)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 1 returns None within the bound while the store is stopped; rank 0 None on resume",
         lambda runs: (all_or_none(runs, [1]), all_or_none(runs, [0], bound=BOUND + VOTE_TIMEOUT + 3.5),
                       _expect([_res(runs, r)["outcome"] for r in (0, 1)] == ["none", "none"], runs)),
-        timeout=90),
+        timeout=90,
+        reasons={0: (["STORE_ERROR"], ["ABSENT"]), 1: (["STORE_ERROR"], ["ABSENT"])}),
     Scenario(
         "Ctrl-C (SIGINT) on a rank waiting in the vote; peer arrives later", 2,
         _free() + """
@@ -180,13 +204,14 @@ try:
     outcome, secs, err = rank_lib.create(rank=RANK)
 except KeyboardInterrupt:
     outcome, secs, err = "interrupted", time.perf_counter() - t0, ""
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 0: KeyboardInterrupt within 0.5 s of the signal, abort written first; rank 1 (later): None at once",
         lambda runs: (all_or_none(runs),
                       _expect(_res(runs, 0)["outcome"] == "interrupted" and _res(runs, 0)["secs"] < 0.8 + 0.5,
                               _res(runs, 0)),
-                      _expect(_res(runs, 1)["outcome"] == "none" and _res(runs, 1)["secs"] < 1.0, _res(runs, 1)))),
+                      _expect(_res(runs, 1)["outcome"] == "none" and _res(runs, 1)["secs"] < 1.0, _res(runs, 1))),
+        reasons={1: ["ABORTED"]}),
     Scenario(
         "KeyboardInterrupt during the probe", 2,
         _free() + """
@@ -197,23 +222,27 @@ try:
     outcome, secs, err = rank_lib.create(rank=RANK)
 except KeyboardInterrupt:
     outcome, secs, err = "interrupted", 0.0, ""
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 1: interrupt propagates, nothing held, abort written; rank 0: None at once (not at the timeout)",
         lambda runs: (all_or_none(runs),
                       _expect(_res(runs, 1)["outcome"] == "interrupted", _res(runs, 1)),
-                      _expect(_res(runs, 0)["outcome"] == "none" and _res(runs, 0)["secs"] < 1.0, _res(runs, 0)))),
+                      _expect(_res(runs, 0)["outcome"] == "none" and _res(runs, 0)["secs"] < 1.0, _res(runs, 0))),
+        reasons={0: ["ABORTED"]}),
     Scenario(
         "probe exception on one rank (fail-closed)", 2,
         _free() + _call(prelude="if RANK == 1:\n    dev.error = RuntimeError('driver exploded')"),
         "both None, at once",
-        none_on(bound=1.0)),
+        none_on(bound=1.0),
+        reasons={0: told("PROBE_ERROR"), 1: ["PROBE_ERROR"]},
+        internal_errors=("probe",)),
     Scenario(
         "probe exception on one rank (fail-open)", 2,
         _free() + _call(extra=", fail_open=True",
                         prelude="if RANK == 1:\n    dev.error = RuntimeError('driver exploded')"),
         "both create (FlashInfer entered once per rank)",
-        created_on_all),
+        created_on_all,
+        internal_errors=("probe",)),
     Scenario(
         "device facts fail on one rank (a driver query raises)", 2,
         _free() + _call(extra=", on_veto='raise'", prelude="""
@@ -224,37 +253,44 @@ if RANK == 1:
     dev.facts = broken"""),
         "both vetoed at once, naming rank 1's driver error (fail-closed)",
         lambda runs: (none_on(bound=1.0, outcome="vetoed")(runs),
-                      _expect("rank 1" in _res(runs, 0)["err"] and "driver" in _res(runs, 0)["err"], _res(runs, 0)))),
+                      _expect("rank 1" in _res(runs, 0)["err"] and "driver" in _res(runs, 0)["err"], _res(runs, 0))),
+        reasons={0: told("DRIVER_ERROR"), 1: ["DRIVER_ERROR"]},
+        internal_errors=("facts",)),
     Scenario(
         "backend auto on one rank, trtllm on the other", 2,
         _free() + _call(extra=", on_veto='raise'", backend="('auto' if RANK == 0 else 'trtllm')"),
         "both vetoed; both name both values (the rank told by its peer at once, the other at once or at its timeout)",
         lambda runs: [(none_on(outcome="vetoed")(runs),
                        _expect("backend differs: 'auto' on rank 0; 'trtllm' on rank 1" in _res(runs, r)["err"],
-                               _res(runs, r))) for r in range(2)]),
+                               _res(runs, r))) for r in range(2)],
+        reasons={0: told("ARG_MISMATCH"), 1: told("ARG_MISMATCH")}),
     Scenario(
         "world_size 1 on one rank, 2 on the other", 2,
         _free() + _call(extra=", on_veto='raise'", world_size="(1 if RANK == 0 else 2)"),
         "both vetoed at once (no rank creates alone)",
-        none_on(bound=1.0, outcome="vetoed")),
+        none_on(bound=1.0, outcome="vetoed"),
+        reasons={0: told("ARG_MISMATCH"), 1: told("ARG_MISMATCH")}),
     Scenario(
         "mismatched max_token_num on one rank", 2,
         _free() + _call(extra=", on_veto='raise'", max_token_num="(2048 if RANK == 0 else 4096)"),
         "both vetoed, naming both values (see above for the time)",
         lambda runs: [(none_on(outcome="vetoed")(runs),
                        _expect("max_token_num differs: 2048 on rank 0; 4096 on rank 1" in _res(runs, r)["err"],
-                               _res(runs, r))) for r in range(2)]),
+                               _res(runs, r))) for r in range(2)],
+        reasons={0: told("ARG_MISMATCH"), 1: told("ARG_MISMATCH")}),
     Scenario(
         "world_size argument disagrees with the group", 2,
         _free() + _call(extra=", on_veto='raise'", world_size=4),
         "both vetoed at once, naming world_size",
         lambda runs: [(none_on(bound=1.0, outcome="vetoed")(runs),
-                       _expect("world_size=4" in _res(runs, r)["err"], _res(runs, r))) for r in range(2)]),
+                       _expect("world_size=4" in _res(runs, r)["err"], _res(runs, r))) for r in range(2)],
+        reasons={0: told("ARG_MISMATCH"), 1: told("ARG_MISMATCH")}),
     Scenario(
         "rank argument disagrees with the group", 2,
         _free() + _call(extra=", on_veto='raise'").replace("rank=RANK", "rank=0"),
         "both vetoed",
-        none_on(bound=1.0, outcome="vetoed")),
+        none_on(bound=1.0, outcome="vetoed"),
+        reasons={0: told("ARG_MISMATCH"), 1: told("ARG_MISMATCH")}),
     Scenario(
         "one rank's arguments rejected by FlashInfer, then a good call", 2,
         _free() + """
@@ -274,7 +310,7 @@ result.update(first=first[0], first_secs=first[1], first_err=first[2], outcome=o
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 outcome, secs, err = rank_lib.create(rank=RANK, backend="bogus")
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "FlashInfer's own error on both, at once (every rank passes through)",
         lambda runs: [_expect(_res(runs, r)["outcome"] == "error" and "bogus" in _res(runs, r)["err"]
@@ -306,10 +342,11 @@ class ShortGather:
         return out[:1] if RANK == 0 else out
     def barrier(self): dist.barrier()
 outcome, secs, err = rank_lib.create(rank=RANK, comm_backend=ShortGather())
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "both None (rank 0 rejects the short answer; rank 1 learns it in the second exchange)",
-        none_on(bound=2.0)),
+        none_on(bound=2.0),
+        reasons={0: ["INCOMPLETE"], 1: ["INCOMPLETE"]}),
     Scenario(
         "2-rank subgroup of 4, other ranks busy", 4,
         _free() + """
@@ -317,13 +354,14 @@ sub = dist.new_group([0, 1], backend="gloo")
 if RANK in (0, 1):
     dev = rank_lib.setup(free_mb=(1 if RANK == 1 else None), vote_timeout=T)
     outcome, secs, err = rank_lib.create(rank=RANK, group=sub)
-    result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+    result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 else:
     time.sleep(T + 1)
     result.update(outcome="busy", secs=0.0, calls=0, live=0)
 """,
         "ranks 0,1 None at once; ranks 2,3 never involved",
-        none_on([0, 1], bound=1.0)),
+        none_on([0, 1], bound=1.0),
+        reasons={0: told("OUT_OF_MEMORY"), 1: ["OUT_OF_MEMORY"]}),
     Scenario(
         "two threads per rank at once, one rank set", 2,
         _free() + """
@@ -386,7 +424,7 @@ if RANK == 0:
     while "pid" not in child: time.sleep(0.01)
     os.waitpid(child["pid"], 0)
     result["child"] = json.loads(os.read(r, 1000).decode())
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "the parents create on both; the forked child gets None at once (it is no rank) and does not hang",
         lambda runs: (created_on_all(runs),
@@ -396,7 +434,8 @@ result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), li
         "WORLD given per device (cpu:gloo,cuda:gloo; NCCL is not built into CPU torch)", 2,
         _free(SHORT0) + _call(),
         "both None: the decision needs no gloo group of ours and no collective",
-        none_on(bound=1.0), env={"FIWS_TEST_BACKEND": "cpu:gloo,cuda:gloo"}),
+        none_on(bound=1.0), env={"FIWS_TEST_BACKEND": "cpu:gloo,cuda:gloo"},
+        reasons={0: ["OUT_OF_MEMORY"], 1: told("OUT_OF_MEMORY")}),
     Scenario(
         "bad environment values", 2,
         _free(SHORT0) + """
@@ -404,7 +443,7 @@ dev = rank_lib.setup(free_mb=FREE)
 from flashinfer_safe_workspace import _config
 s = _config.current()
 outcome, secs, err = rank_lib.create(rank=RANK)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes,
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes,
               settings=[s.headroom_mb, s.vote_timeout, s.on_veto])
 """,
         "one warning per bad variable (and one for the misspelt name), defaults used, veto still works",
@@ -414,7 +453,8 @@ result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), li
                                and "did you mean FLASHINFER_SAFE_WORKSPACE_ON_VETO" in runs[r]["stderr"],
                                (runs[r]["stderr"], _res(runs, r)))) for r in range(2)],
         env={"FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB": "-5", "FLASHINFER_SAFE_WORKSPACE_VOTE_TIMEOUT": "1e14",
-             "FLASHINFER_SAFE_WORKSPACE_ON_VETO": "explode", "FLASHINFER_SAFE_WORKSPACE_ON_VET0": "raise"}),
+             "FLASHINFER_SAFE_WORKSPACE_ON_VETO": "explode", "FLASHINFER_SAFE_WORKSPACE_ON_VET0": "raise"},
+        reasons={0: ["OUT_OF_MEMORY"], 1: told("OUT_OF_MEMORY")}),
     Scenario(
         "internal error in our code on one rank", 2,
         _free() + _call(prelude="""
@@ -428,7 +468,10 @@ result["internal"] = [w for w in rank_lib.warnings() if "internal error in" in w
         "fail-closed: both None at once; one warning on the failing rank",
         lambda runs: (none_on(bound=1.0)(runs),
                       _expect(len(_res(runs, 0)["internal"]) == 1, _res(runs, 0)),
-                      _expect(len(_res(runs, 1)["internal"]) == 0, _res(runs, 1)))),
+                      _expect([r["internal_errors"] for r in runs] == [["plan"], []], runs),
+                      _expect(len(_res(runs, 1)["internal"]) == 0, _res(runs, 1))),
+        reasons={0: ["INTERNAL_ERROR"], 1: told("INTERNAL_ERROR")},
+        internal_errors=("plan",)),
     Scenario(
         "creation watchdog, ON_HANG=abort", 1,
         _free() + """
@@ -453,4 +496,5 @@ def run(scenario: Scenario):
     env = {"FIWS_T": VOTE_TIMEOUT, "FIWS_LINGER_S": 15}
     env.update(scenario.env)
     body = COMMON + scenario.body + (HOST if scenario.host else "")
-    return run_ranks(scenario.world, body, env=env, timeout=scenario.timeout)
+    return run_ranks(scenario.world, body, env=env, timeout=scenario.timeout,
+                     internal_errors=scenario.internal_errors)

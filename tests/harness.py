@@ -11,10 +11,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import strict
+
 HERE = Path(__file__).resolve().parent
 MARK = "FIWS_RESULT "
 
 PRELUDE = """
+import strict; strict.install()
 import datetime, json, os, sys, time
 import torch
 import torch.distributed as dist
@@ -26,14 +29,19 @@ result = {"rank": RANK}
 
 EPILOGUE = """
 print("FIWS_RESULT " + json.dumps(result, default=str), flush=True)
-# rank 0 hosts the TCPStore: it stays until every rank is done (bounded), so that a rank
-# finishing early never takes the store away from a peer still deciding
+# every rank stays until every rank has reported (bounded): a rank that finishes early never
+# takes the store or its end of a group's connections away from a peer still deciding or
+# still building a group (gloo's connectFullMesh needs every peer up). Rank 0 hosts the
+# store: it leaves last, once every other rank has said it is leaving.
 try:
     _st = dist.distributed_c10d._get_default_store()
+    _linger = datetime.timedelta(seconds=float(os.environ.get("FIWS_LINGER_S", "30")))
     _st.set(f"harness/done/{RANK}", "1")
+    _st.wait([f"harness/done/{r}" for r in range(WORLD)], _linger)
     if RANK == 0:
-        _st.wait([f"harness/done/{r}" for r in range(WORLD)],
-                 datetime.timedelta(seconds=float(os.environ.get("FIWS_LINGER_S", "30"))))
+        _st.wait([f"harness/left/{r}" for r in range(1, WORLD)], _linger)
+    else:
+        _st.set(f"harness/left/{RANK}", "1")
 except Exception:
     pass
 os._exit(0)
@@ -57,9 +65,12 @@ def clean_env(**extra) -> dict:
 
 
 def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None = None,
-              rank_env: dict | None = None) -> list[dict]:
+              rank_env: dict | None = None, internal_errors=()) -> list[dict]:
     """Start ``world`` ranks running PRELUDE + body + EPILOGUE; return one dict per rank:
-    ``{"rank", "result" (dict or None), "returncode", "stderr", "wall_s"}``."""
+    ``{"rank", "result" (dict or None), "returncode", "stderr", "wall_s", "internal_errors"}``.
+
+    Strict mode (tests/strict.py): an internal error reported by a rank at a site not in
+    ``internal_errors`` fails here (``None``: the caller checks them itself)."""
     script = PRELUDE + textwrap.dedent(body) + EPILOGUE
     port = free_port()
     procs = []
@@ -82,7 +93,10 @@ def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None 
         line = next((l for l in stdout.splitlines() if l.startswith(MARK)), None)
         out.append({"rank": rank, "result": json.loads(line[len(MARK):]) if line else None,
                     "returncode": proc.returncode, "stderr": stderr[-3000:],
-                    "wall_s": time.monotonic() - start})
+                    "wall_s": time.monotonic() - start,
+                    "internal_errors": strict.sites_in(stderr)})
+    for r in out:
+        strict.check(r["internal_errors"], internal_errors, f"rank {r['rank']}")
     return out
 
 

@@ -96,36 +96,46 @@ def setup(free_mb=None, *, device=None, **overrides):
     return dev
 
 
+# What FlashInfer 0.7.4's trtllm workspace holds per rank (max_token_num 2048, hidden_dim 4096,
+# bfloat16), written down, not computed by the rules: for 2 ranks the cuMemCreate sizes
+# recorded on the H200 (reference notes section 9: 35651584, 2097152, 102760448 B); for 4
+# ranks the same formula by hand (section 2.1: B = ws*T*H*2 = 64 MiB, L = 3*B = 192 MiB, each
+# + 2048 B rounded to 2 MiB: 66, 2, 194 MiB); plus the small tails of section 5: one int64[ws]
+# pointer table per buffer, cudaMalloc(20) and an int64[3*ws + 1] table.
+PLAN_BYTES = {
+    2: 35651584 + 2097152 + 102760448 + 3 * 8 * 2 + 20 + (3 * 2 + 1) * 8,  # 140509308
+    4: 69206016 + 2097152 + 203423744 + 3 * 8 * 4 + 20 + (3 * 4 + 1) * 8,  # 274727132
+}
+# HEADROOM_MB=auto over a gloo group: the small reserve (README, "HEADROOM_MB")
+SMALL_RESERVE_MB = 64
+
+
 def need_mb(world_size=2, max_token_num=2048, hidden_dim=4096, dtype="bfloat16", headroom_mb=None):
-    """plan peak + headroom in MiB for the installed FlashInfer (trtllm, simulated facts)."""
-    import flashinfer
-    from flashinfer_safe_workspace import _config
-    from flashinfer_safe_workspace.planning import plan as _plan, probe as _probe
+    """Plan peak + headroom in MiB of the trtllm workspace for FlashInfer 0.7.4 (the numbers
+    above; only those shapes are written down)."""
+    assert (max_token_num, hidden_dim, dtype) == (2048, 4096, "bfloat16"), "shape not written down"
+    head = SMALL_RESERVE_MB if headroom_mb is None else headroom_mb
+    return PLAN_BYTES[world_size] / MiB + head
 
-    req = _plan.Request("unified", "trtllm", world_size, 0, max_token_num, hidden_dim, dtype)
-    facts = _probe.SimulatedDevice(1 << 40).facts(None, False, world_size)
-    from flashinfer_safe_workspace.planning import rules
 
-    plan = rules.plan_for(req, facts, flashinfer.__version__)
-    if headroom_mb is None:  # what the shim itself would use for this call on WORLD
-        from flashinfer_safe_workspace.planning import request as _request
-
-        head = _request.headroom(_config.current(), req, {})[0] / MiB
-    else:
-        head = headroom_mb
-    return plan.peak_bytes / MiB + head
+last_reasons = None  # the reason-code names of the last create()'s veto (None: not known)
 
 
 def create(**kwargs):
-    """Call the (wrapped) unified API; return (outcome, seconds, error text)."""
+    """Call the (wrapped) unified API; return (outcome, seconds, error text). The veto's
+    reason codes (by name) go to ``last_reasons``: from ``WorkspaceVetoed.reasons`` when it
+    raises, else from this call's decision line (``None`` when it logged none)."""
+    global last_reasons
     import torch
     import flashinfer.comm as comm
 
-    from flashinfer_safe_workspace import WorkspaceVetoed
+    from flashinfer_safe_workspace import WorkspaceVetoed, _reasons
 
     args = dict(backend="trtllm", world_size=2, rank=0, max_token_num=2048, hidden_dim=4096,
                 dtype=torch.bfloat16)
     args.update(kwargs)
+    before = len(decisions())
+    last_reasons = None
     start = time.perf_counter()
     try:
         ws = comm.create_allreduce_fusion_workspace(**args)
@@ -133,6 +143,11 @@ def create(**kwargs):
         err = ""
     except WorkspaceVetoed as exc:
         outcome, err = "vetoed", str(exc)
+        last_reasons = list(_reasons.names(exc.reasons))
     except Exception as exc:
         outcome, err = "error", f"{type(exc).__name__}: {exc}"
-    return outcome, time.perf_counter() - start, err
+    secs = time.perf_counter() - start
+    if last_reasons is None:
+        new = decisions()[before:]
+        last_reasons = new[-1]["reasons"] if new else None
+    return outcome, secs, err

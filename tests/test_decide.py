@@ -7,6 +7,13 @@ import pytest
 from harness import results, run_ranks
 
 BOUND_S = 20.0  # every decision here must come well within this
+OOM = ["OUT_OF_MEMORY"]
+
+
+def told(reasons, code=OOM):
+    """A peer of the rank that said no: it saw that rank's record (the same code), or arrived
+    after the abort was written and followed it (ABORTED)."""
+    return reasons in (code, ["ABORTED"])
 
 
 def test_all_fit_calls_flashinfer_once_on_every_rank():
@@ -14,7 +21,7 @@ def test_all_fit_calls_flashinfer_once_on_every_rank():
         import rank_lib
         rank_lib.setup(free_mb=None)
         outcome, secs, err = rank_lib.create(rank=RANK)
-        result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
+        result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
         result.update(report=rank_lib.last_decision())
     """)
     for r in results(runs):
@@ -31,11 +38,12 @@ def test_one_rank_short_vetoes_on_every_rank(on_veto):
         need = rank_lib.need_mb()
         rank_lib.setup(free_mb=need - 2 if RANK == 0 else None, on_veto="{on_veto}")
         outcome, secs, err = rank_lib.create(rank=RANK)
-        result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
+        result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
     """)
     for r in results(runs):
         assert r["calls"] == 0, r  # FlashInfer entered on no rank
         assert r["outcome"] == ("none" if on_veto == "none" else "vetoed"), r
+        assert r["reasons"] == OOM if r["rank"] == 0 else told(r["reasons"]), r
         assert r["secs"] < BOUND_S
         if on_veto == "raise":
             assert "rank 0" in r["err"] and "OUT_OF_MEMORY" in r["err"]
@@ -49,12 +57,14 @@ def test_exact_boundary_plan_plus_headroom():
         need = rank_lib.need_mb(headroom_mb=64)
         rank_lib.setup(free_mb=need + DELTA if RANK == 1 else None, headroom_mb=64)
         outcome, secs, err = rank_lib.create(rank=RANK)
-        result.update(outcome=outcome, calls=len(rank_lib.calls))
+        result.update(reasons=rank_lib.last_reasons, outcome=outcome, calls=len(rank_lib.calls))
     """
     ok = results(run_ranks(2, body.replace("DELTA", "0")))
     short = results(run_ranks(2, body.replace("DELTA", "-2")))
     assert [r["outcome"] for r in ok] == ["created", "created"]
     assert [r["outcome"] for r in short] == ["none", "none"]
+    assert [r["reasons"] for r in ok] == [[], []]
+    assert told(short[0]["reasons"]) and short[1]["reasons"] == OOM, short
 
 
 def test_four_ranks_one_short():
@@ -63,12 +73,13 @@ def test_four_ranks_one_short():
         need = rank_lib.need_mb(world_size=4)
         rank_lib.setup(free_mb=need - 100 if RANK == 2 else None, on_veto="raise")
         outcome, secs, err = rank_lib.create(rank=RANK, world_size=4)
-        result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
+        result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls))
     """, timeout=120)
     rs = results(runs)
     assert [r["outcome"] for r in rs] == ["vetoed"] * 4
     assert all(r["calls"] == 0 for r in rs)
     assert all("rank 2 (cuda:0)" in r["err"] for r in rs)
+    assert rs[2]["reasons"] == OOM and all(told(rs[r]["reasons"]) for r in (0, 1, 3)), rs
 
 
 def test_subgroup_of_four_votes_without_the_other_ranks():
@@ -82,13 +93,14 @@ def test_subgroup_of_four_votes_without_the_other_ranks():
             need = rank_lib.need_mb()
             rank_lib.setup(free_mb=need - 10 if RANK == 1 else None)
             outcome, secs, err = rank_lib.create(rank=RANK, group=sub)
-            result.update(outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
+            result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
         else:
             time.sleep(3)  # busy, never joins
             result.update(outcome="busy")
     """, timeout=120)
     rs = results(runs)
     assert rs[0]["outcome"] == rs[1]["outcome"] == "none"
+    assert told(rs[0]["reasons"]) and rs[1]["reasons"] == OOM, rs
     assert rs[0]["ranks"] == rs[1]["ranks"] == [0, 1]
     assert rs[0]["secs"] < 3 and rs[1]["secs"] < 3  # did not wait for ranks 2 and 3
 
@@ -125,12 +137,13 @@ def test_comm_backend_group_is_used_for_the_vote():
             need = rank_lib.need_mb()
             rank_lib.setup(free_mb=need - 2 if RANK == 3 else None, vote_timeout=20)
             outcome, secs, err = rank_lib.create(rank=RANK - 2, comm_backend=TorchDistBackend(g))
-            result.update(outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
+            result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
         else:
             result.update(outcome="idle", secs=0.0, ranks=None)
     """, timeout=120)
     rs = results(runs)
     assert [r["outcome"] for r in rs[2:]] == ["none", "none"]
+    assert told(rs[2]["reasons"]) and rs[3]["reasons"] == OOM, rs
     assert rs[2]["ranks"] == rs[3]["ranks"] == [2, 3]
     assert rs[2]["secs"] < 5 and rs[3]["secs"] < 5
 
@@ -145,7 +158,7 @@ def test_world_size_one_on_a_group_of_one_decides_alone():
         if RANK == 0:
             rank_lib.setup(free_mb=None, vote_timeout=30)
             outcome, secs, err = rank_lib.create(rank=0, world_size=1, group=solo)
-            result.update(outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
+            result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, ranks=rank_lib.last_decision()["ranks"])
         else:
             result.update(outcome="idle", secs=0.0)
     """)

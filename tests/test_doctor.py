@@ -179,4 +179,8 @@ def test_doctor_prints_the_facts_it_plans_with():
                                                           str(1 << 30): 512 << 20}
     text = doctor("--no-import", **{VAR: "1"}).stdout
     assert f"torch signal pad {pad} B ({source})" in text
-    assert "granularity 2 MiB" in text or r["cuda"]["error"] is None
+    # the line states the granularity the facts hold (H200's 2 MiB without a driver; the
+    # driver's answer with one)
+    assert f"granularity {facts['granularity'] / (1 << 20):g} MiB;" in text, (facts, text)
+    if r["cuda"]["error"]:
+        assert facts["granularity"] == 2 << 20

@@ -9,4 +9,4 @@ import faults
 @pytest.mark.parametrize("scenario", faults.SCENARIOS, ids=[s.name for s in faults.SCENARIOS])
 def test_fault(scenario):
     runs = faults.run(scenario)
-    scenario.check(runs)
+    scenario.verify(runs)

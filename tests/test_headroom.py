@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from flashinfer_safe_workspace.planning import headroom as _headroom
+from flashinfer_safe_workspace import _config
 from flashinfer_safe_workspace._config import ParseError
 from harness import results, run_ranks
 
@@ -20,23 +21,30 @@ SMALL = _headroom.SMALL_RESERVE_MB * MiB
 NCCL = _headroom.NCCL_RESERVE_MB * MiB
 
 
+def _headroom_var():
+    return next(v for v in _config.VARIABLES if v.field == "headroom_mb")
+
+
 @pytest.mark.parametrize("text,value", [("auto", "auto"), (" AUTO ", "auto"), ("0", 0),
-                                        ("512", 512), (" 64 ", 64)])
+                                        ("512", 512), (" 64 ", 64), ("1048576", 1 << 20)])
 def test_parse(text, value):
-    assert _headroom.parse(text) == value
+    """The one parser of HEADROOM_MB: the config table's."""
+    assert _headroom_var().parse(text) == value
 
 
-@pytest.mark.parametrize("text", ["-1", "1.5", "lots", "", "auto512"])
+@pytest.mark.parametrize("text", ["-1", "1.5", "lots", "", "auto512", "1048577"])
 def test_parse_rejects(text):
     with pytest.raises(ParseError):
-        _headroom.parse(text)
+        _headroom_var().parse(text)
 
 
-def test_a_number_keeps_todays_meaning():
-    for setting in (256, "256", 0):
+def test_a_number_is_that_many_mib(monkeypatch):
+    for text, mib in (("256", 256), ("0", 0)):
+        monkeypatch.setenv("FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB", text)
+        setting = _config.reload().headroom_mb
         got = _headroom.resolve(setting, entry="unified", backend="trtllm", group=None,
                                 comm_backend=None)
-        assert got == (int(setting) * MiB, "set")
+        assert got == (mib * MiB, "set")
 
 
 def test_no_process_group_cannot_be_told():

@@ -4,7 +4,7 @@ from flashinfer_safe_workspace.planning.plan import MiB, Facts, Request
 from flashinfer_safe_workspace.planning.rules import plan_for as make_plan
 
 
-def _rule(size):  # the driver's answer on H200: small objects 2 MiB, larger ones 512 MiB
+def _rule(size):  # a made-up per-size rule whose switch (64 MiB) falls between the buffers
     return 2 * MiB if size < 64 * MiB else 512 * MiB
 
 
@@ -15,6 +15,17 @@ def test_b1_rounds_each_buffer_to_the_granularity_of_its_own_size():
     # B 32 MiB -> 34 MiB (small: 2 MiB granularity) -> 34 MiB; F 2 KiB -> 2 MiB -> 4 MiB;
     # L 96 MiB -> 98 MiB (large: 512 MiB granularity) -> 512 MiB
     assert sizes == [34 * MiB, 4 * MiB, 512 * MiB]
+
+
+def test_b1_with_the_measured_h200_rule():
+    """The H200's answer (docs/gpu/mc-granularity-*.jsonl: 2 MiB for objects up to 2 MiB, 512 MiB
+    from 4 MiB up): every trtllm buffer of this shape is over 2 MiB once padded, so B1 asks for
+    3 x 512 MiB (reference section 9: "3 x 512 MiB = 1536 MiB")."""
+    from flashinfer_safe_workspace.planning import facts as _facts
+
+    req = Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16")
+    plan = make_plan(req, Facts(multicast_granularity_for=_facts.h200_multicast_granularity), "0.6.6")
+    assert [a.bytes for a in plan.allocations if a.api == "cuMemCreate"] == [512 * MiB] * 3
 
 
 def test_a_fixed_granularity_applies_when_no_rule_is_given():

@@ -120,18 +120,27 @@ C_SIZES = {"E1": [34, 2, 98], "E2": [386, 2, 1154], "E3": [898, 2, 5378]}
 C_SIZES_WIDE = {**C_SIZES, "E3": [1794, 2, 5378]}  # 0.7.2+: B = ws*T*H*4 for fp32
 
 
+# The allocators, copied by hand from the reference's version-range table (section 1:
+# "trtllm workspace via unified" and "Legacy fusion default" columns), not from the rules.
+UNIFIED_TRTLLM_ALLOCATOR = {"R1": "B1", "R2": "B1", "R3": "C", "R4": "C", "R5": "B2",
+                            "R6": "B3", "R7": "B3", "R8": "B3", "R9": "B3", "R10": "B4"}
+LEGACY_DEFAULT_ALLOCATOR = {"R0": "A", "R1": "A", "R2": "A", "R3": "C", "R4": "C", "R5": "C",
+                            "R6": "C", "R7": "C", "R8": "C", "R9": "C", "R10": "C"}
+CC_FALLS_BACK_TO_C = {"R6", "R7", "R8", "R9", "R10"}  # "B3, or C if Confidential Computing"
+WIDE_FP32_B = {"R8", "R9", "R10"}  # "B = ws*T*H*(4 if fp32 else 2)" from 0.7.2
+
+
 def expected_trtllm(label: str, entry: str, symm: bool, facts: Facts, cc: bool = False):
-    r = int(label[1:])
-    wide = C_SIZES_WIDE if r >= 8 else C_SIZES
+    wide = C_SIZES_WIDE if label in WIDE_FP32_B else C_SIZES
     if entry == "legacy" and not symm:
-        return ("A", A_SIZES) if r <= 2 else ("C", wide)
-    if entry == "unified" and cc and r >= 6:
+        allocator = LEGACY_DEFAULT_ALLOCATOR[label]
+        return allocator, (A_SIZES if allocator == "A" else wide)
+    if entry == "unified" and cc and label in CC_FALLS_BACK_TO_C:
         return "C", wide
-    if r <= 2:
+    allocator = UNIFIED_TRTLLM_ALLOCATOR[label]
+    if allocator == "B1":
         return "B1", (B1_SIZES_GMC2 if facts.multicast_granularity == 2 * MiB else B1_SIZES_GMC512)
-    if r <= 4:
-        return "C", C_SIZES
-    return {5: "B2", 10: "B4"}.get(r, "B3"), wide
+    return allocator, wide
 
 
 @pytest.mark.parametrize("example", list(EXAMPLES))

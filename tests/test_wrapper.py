@@ -97,10 +97,42 @@ def test_rejected_arguments_pass_through_unchanged(shim, backend, world_size, ra
         plain = _outcome(comm.create_allreduce_fusion_workspace, kwargs)
     finally:
         fiws.install()
+    lines = _Lines()
+    with lines:
+        wrapped = _outcome(comm.create_allreduce_fusion_workspace, kwargs)
     if plain[0] == "raise" and NO_CUDA in plain[2]:
-        return  # FlashInfer accepted the arguments and reached CUDA: nothing to compare on CPU
-    wrapped = _outcome(comm.create_allreduce_fusion_workspace, kwargs)
-    assert wrapped == plain
+        # FlashInfer accepts the arguments and reaches CUDA (absent here). With the shim it
+        # either runs the same way after a yes (the same error, a "pass" line), or is
+        # vetoed for a stated reason (None, a "veto" line with its reason codes).
+        decided = _log.parse_decision_lines("\n".join(lines.messages))
+        if wrapped == plain:
+            assert [d["outcome"] for d in decided] in ([], ["pass"]), decided
+        else:
+            assert wrapped == ("ok", None), (wrapped, plain)
+            assert [d["outcome"] for d in decided] == ["veto"] and decided[0]["reasons"], decided
+    else:
+        assert wrapped == plain
+
+
+class _Lines:
+    """This test's log lines of the shim (a handler for the duration of one call)."""
+
+    def __init__(self):
+        import logging
+
+        self.messages = []
+        self.handler = logging.Handler(logging.DEBUG)
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        self.logger = logging.getLogger("flashinfer_safe_workspace")
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel("INFO")
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
 
 def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatch, caplog):

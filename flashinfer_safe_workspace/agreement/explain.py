@@ -16,10 +16,23 @@ class VetoInfo:
     message: str
     ranks: tuple
     details: tuple
+    reasons: tuple = ()  # reason codes (``_reasons``), sorted
 
 
-def local(message: str) -> VetoInfo:
-    return VetoInfo(f"FlashInfer all-reduce workspace not created: {message}", (), (message,))
+def local(message: str, reasons=()) -> VetoInfo:
+    return VetoInfo(f"FlashInfer all-reduce workspace not created: {message}", (), (message,),
+                    tuple(sorted(reasons)))
+
+
+def _missing_reason(outcome) -> int:
+    """Why a round that did not complete vetoed, as a reason code."""
+    if outcome.absent:
+        return _rec.ABSENT
+    if outcome.missing.startswith("internal error"):
+        return _rec.INTERNAL_ERROR
+    if outcome.in_doubt:
+        return _rec.STORE_ERROR
+    return _rec.INCOMPLETE
 
 
 def _where(record: Record, cand: Candidate) -> str:
@@ -94,7 +107,9 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
     register_why = (outcome.register.why if outcome.register is not None else "") or ""
     if outcome.followed:
         details.append(f"{register_why or 'abort'} (decided before this rank arrived)")
+        reasons.add(_rec.ABORTED)
     elif outcome.missing:
+        reasons.add(_missing_reason(outcome))
         absent = list(outcome.absent)
         lead = (f"ranks {absent} did not answer in time" if absent
                 else "the round did not complete")
@@ -102,5 +117,7 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
         named.extend(absent)
     elif not details:
         details.append(f"the group aborted: {register_why or 'no reason given'}")
+        reasons.add(_rec.ABORTED)
     message = head + "; ".join(details) + ". " + _advice(reasons)
-    return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details))
+    return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details),
+                    tuple(sorted(reasons)))

@@ -1,6 +1,6 @@
 """The headroom: how much device memory a rank must have free beyond the plan.
 
-``HEADROOM_MB`` is either a number of MiB (today's meaning: that much, always) or
+``HEADROOM_MB`` (parsed by ``_config``'s table) is either a number of MiB (that much, always) or
 ``auto``: a small reserve when FlashInfer's collectives for this call need no new GPU
 memory, and the NCCL start-up reserve when they may start an NCCL communicator.
 
@@ -34,17 +34,15 @@ current one (``bound_device_id``) cannot be told either.
 from __future__ import annotations
 
 import sys
-from typing import Any, Tuple, Union
+from typing import Any, Tuple
 
-from .._config import ParseError
-
-MiB = 1 << 20
+from .plan import MiB
 
 # The small reserve: FlashInfer's first-load JIT module, the caching allocator's first
 # segments for its small tables (2 MiB each) and the driver's tails, measured as the
 # drop in free memory around a creation minus the plan: on the H200, for four shapes,
 # 6 MiB at the first creation of a process and 0 MiB at later ones (docs/gpu-report.md,
-# case q, at 394b586; `scripts/gpu-check --one-gpu`). 64 MiB keeps ten times that, for
+# case q, which names its commit; `scripts/gpu-check --one-gpu`). 64 MiB keeps ten times that, for
 # shapes, releases and drivers not measured: a tail that does not fit makes FlashInfer
 # fail on one rank after the vote, which is the hang this library exists to prevent.
 SMALL_RESERVE_MB = 64
@@ -61,29 +59,13 @@ WHY = ("set", "gloo", "cpu-comm-backend", "nccl-warm", "nccl-cold", "unknown")
 _SMALL = ("gloo", "cpu-comm-backend", "nccl-warm")
 
 
-def parse(text: str) -> Union[str, int]:
-    """The config row's parser: ``auto`` or a whole number of MiB >= 0."""
-    value = str(text).strip().lower()
-    if value == AUTO:
-        return AUTO
-    try:
-        number = int(value)
-    except ValueError:
-        raise ParseError("expected auto or a whole number of MiB >= 0") from None
-    if number < 0:
-        raise ParseError("expected auto or a whole number of MiB >= 0")
-    return number
-
-
 def resolve(setting: Any, *, entry: str, backend: str, group: Any, comm_backend: Any,
             use_symm_dev_mem: bool = False) -> Tuple[int, str]:
-    """(headroom bytes, why) for one creation call. Never raises: anything it cannot
-    tell gives the NCCL reserve with ``why="unknown"``."""
+    """(headroom bytes, why) for one creation call; ``setting``: ``Settings.headroom_mb``
+    (``auto`` or a whole number of MiB). Never raises: anything it cannot tell gives the
+    NCCL reserve with ``why="unknown"``."""
     if setting != AUTO:
-        if isinstance(setting, str):
-            setting = parse(setting)
-        if setting != AUTO:
-            return int(setting) * MiB, "set"
+        return int(setting) * MiB, "set"
     try:
         why = classify(entry=entry, backend=backend, group=group, comm_backend=comm_backend,
                        use_symm_dev_mem=use_symm_dev_mem)

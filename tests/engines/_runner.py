@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import strict  # noqa: E402
+
 DOC = HERE.parent.parent / "docs" / "engines.md"
 TIMEOUT = 240
 
@@ -66,6 +69,7 @@ def run_ranks(dist: str, version: str, root: Path, free_mb, modes=MODES, **env_e
             out, err = proc.communicate(timeout=TIMEOUT)
             lines = [l for l in out.splitlines() if l.startswith("{")]
             assert proc.returncode == 0 and lines, f"rank exited {proc.returncode}:\n{err[-3000:]}"
+            strict.check(strict.sites_in(err), (), f"{dist} {version} rank {len(reports)}")
             reports.append(json.loads(lines[-1]))
     finally:
         for proc in procs:

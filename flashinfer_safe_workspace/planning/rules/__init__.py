@@ -32,12 +32,10 @@ from .versions import (
     traits,
 )
 
-plan = plan_for  # the name ``_releases.plan`` had; ``plan_for`` is the one to call
-
 __all__ = [
     "A_ROUNDING", "BARRIER_FLAG_COUNT", "CUTEDSL_PLANNED_RANGES", "CUTEDSL_TP_SIZES",
     "LAMPORT_BUFFERS", "MAX_COMM_SIZE", "MNNVL_MAX_BUFFER", "MNNVL_ONE_SHOT_THRESHOLD",
     "NEWEST", "RANGES", "SIGNAL_PAD", "Traits", "element_size", "flashinfer_version",
-    "is_unknown", "needs_group_multicast_vote", "parse_version", "plan", "plan_for",
+    "is_unknown", "needs_group_multicast_vote", "parse_version", "plan_for",
     "range_of", "traits",
 ]

@@ -146,11 +146,34 @@ def _presets(routes, protocol, capacity: int) -> list:
     return seen
 
 
-def _cutedsl_plan(t: Traits, req: Request, facts: Facts, version: str,
-                  apply_norm: bool) -> Union[Plan, PassThrough]:
-    """Allocator D: the workspace's symmetric buffers (each one torch symmetric-memory
-    block, allocator C's rule, plus the rendezvous' pointer arrays) and its small
-    caching-allocator tensors, protocol by protocol (reference §3-D, §4.3)."""
+class _Buffers:
+    """The allocations of one mnnvl-cutedsl plan, in FlashInfer's order."""
+
+    def __init__(self, facts: Facts, ws: int):
+        self.facts, self.ws = facts, ws
+        self.allocations: list = []
+
+    def symmetric(self, name: str, shape: tuple, shape_text: str, elem: int,
+                  peers: bool) -> None:
+        """One torch symmetric-memory block (allocator C's rule), with the int64[ws] of
+        peer addresses that ``materialize_peer_addresses`` makes when ``peers``."""
+        count = 1
+        for dim in shape:
+            count *= dim
+        self.allocations.extend(c_alloc(name, count * elem, f"{shape_text}*{elem}", self.facts,
+                                        self.ws))
+        if peers:
+            self.allocations.append(Allocation(name + ".peer_addresses", 8 * self.ws, "torch",
+                                               formula="int64[ws]"))
+
+    def small(self, name: str, count: int, elem: int, text: str) -> None:
+        """A small caching-allocator tensor."""
+        self.allocations.append(Allocation(name, count * elem, "torch", formula=text))
+
+
+def _cutedsl_profile(t: Traits, req: Request, facts: Facts, version: str, apply_norm: bool):
+    """``(tables, profile, capacity by protocol, top_k, cc)`` from FlashInfer's own profile
+    tables, or the PassThrough for a call FlashInfer rejects there."""
     if t.label not in CUTEDSL_PLANNED_RANGES or is_unknown(version):
         raise Unplanned(f"mnnvl-cutedsl (allocator D) is planned for FlashInfer 0.7.4 only; "
                         f"{version} is not checked against it")
@@ -183,73 +206,80 @@ def _cutedsl_plan(t: Traits, req: Request, facts: Facts, version: str,
             for _, _, target in _route_ranges(profile.all_reduce_routes, tokens)):
         return PassThrough("mnnvl-cutedsl: the LL two-shot all-reduce has no dynamic FP8 "
                            "(FlashInfer ValueError)")
+    return tables, profile, capacity, top_k, cc
 
-    allocations: list = []
-    bf16 = ELEMENT_SIZE["bfloat16"]
-    gens = CUTEDSL_LAMPORT_GENERATIONS
 
-    def symmetric(name: str, shape: tuple, shape_text: str, elem: int,
-                  peers: bool) -> None:
-        count = 1
-        for dim in shape:
-            count *= dim
-        allocations.extend(c_alloc(name, count * elem, f"{shape_text}*{elem}", facts, ws))
-        if peers:  # materialize_peer_addresses: int64[ws] of peer addresses
-            allocations.append(Allocation(name + ".peer_addresses", 8 * ws, "torch",
-                                          formula="int64[ws]"))
+def _ll_buffers(b: _Buffers, profile, kind, c_ll: int, h: int) -> None:
+    """The LL protocol: its one-shot mailbox, stage state and two-shot mailboxes."""
+    bf16, gens, ws = ELEMENT_SIZE["bfloat16"], CUTEDSL_LAMPORT_GENERATIONS, b.ws
+    routes = profile.all_reduce_routes
+    presets = _presets(routes, kind.LL, c_ll)
+    one_shot = [p for p in presets if not getattr(p, "two_shot", False)]
+    b.symmetric("cutedsl.ll.mailbox", (gens, ws, c_ll, h), f"3*ws*{c_ll}*H", bf16,
+                any(getattr(p, "peer_stores", False) for p in one_shot))
+    b.small("cutedsl.ll.stage_state", CUTEDSL_LL_STAGE_WORDS, 4, "int32[2]")
+    # Two-shot mailboxes: one pair per collective shape, sized to the largest token
+    # count routed to any two-shot preset of that shape.
+    served: dict = {}
+    for first, last, target in _route_ranges(routes, c_ll):
+        if target.protocol is kind.LL:
+            served[target.preset] = max(served.get(target.preset, 0), last)
+    shapes: dict = {}
+    for preset in presets:
+        if getattr(preset, "two_shot", False):
+            c2 = min(served.get(preset, c_ll), c_ll)
+            shapes[preset.collective] = max(shapes.get(preset.collective, 0), c2)
+    for collective, c2 in shapes.items():
+        b.symmetric("cutedsl.ll.two_shot.scatter", (gens, ws, c2, h), f"3*ws*{c2}*H", bf16, True)
+        b.symmetric("cutedsl.ll.two_shot.gather", (gens, c2, h), f"3*{c2}*H", bf16, False)
+        cluster = collective.cluster_size
+        b.small("cutedsl.ll.two_shot.generations", c2 * cluster, 4, f"int32[{c2}*{cluster}]")
 
-    def small(name: str, count: int, elem: int, text: str) -> None:
-        allocations.append(Allocation(name, count * elem, "torch", formula=text))
 
+def _bt_buffers(b: _Buffers, c_bt: int, h: int) -> None:
+    bf16, gens, ws = ELEMENT_SIZE["bfloat16"], CUTEDSL_LAMPORT_GENERATIONS, b.ws
+    local = -(-c_bt // ws)
+    b.symmetric("cutedsl.bt.contribution", (gens, ws, local, h), f"3*ws*ceil({c_bt}/ws)*H",
+                bf16, True)
+    b.symmetric("cutedsl.bt.prenorm", (gens, c_bt, h), f"3*{c_bt}*H", bf16, True)
+    b.small("cutedsl.bt.stage_state", CUTEDSL_BT_STAGE_WORDS, 4, "int32[6]")
+
+
+def _ht_buffers(b: _Buffers, c_ht: int, h: int) -> None:
+    bf16, ws = ELEMENT_SIZE["bfloat16"], b.ws
+    slots = -(-c_ht // ws)
+    for which in ("routed", "all_reduce"):
+        b.symmetric(f"cutedsl.ht.{which}_ready", (slots,), f"ceil({c_ht}/ws)", 4, True)
+        b.small(f"cutedsl.ht.{which}_processed", slots * ws, 4, f"uint32[ceil({c_ht}/ws), ws]")
+    b.symmetric("cutedsl.ht.local", (c_ht, h), f"{c_ht}*H", bf16, False)
+    b.symmetric("cutedsl.ht.prenorm", (c_ht, h), f"{c_ht}*H", bf16, False)
+
+
+def _cutedsl_plan(t: Traits, req: Request, facts: Facts, version: str,
+                  apply_norm: bool) -> Union[Plan, PassThrough]:
+    """Allocator D: the workspace's symmetric buffers (each one torch symmetric-memory
+    block, allocator C's rule, plus the rendezvous' pointer arrays) and its small
+    caching-allocator tensors, protocol by protocol (reference §3-D, §4.3)."""
+    found = _cutedsl_profile(t, req, facts, version, apply_norm)
+    if isinstance(found, PassThrough):
+        return found
+    tables, profile, capacity, top_k, cc = found
+    kind = tables.ProtocolKind
+    ws, h = req.world_size, req.hidden_dim
+    b = _Buffers(facts, ws)
     if not apply_norm:
-        small("cutedsl.gamma_placeholder", h, bf16, "bf16[H]")
-    c_ll = capacity[kind.LL]
+        b.small("cutedsl.gamma_placeholder", h, ELEMENT_SIZE["bfloat16"], "bf16[H]")
+    c_ll, c_bt, c_ht = capacity[kind.LL], capacity[kind.BT], capacity[kind.HT]
     if c_ll is not None:
-        routes = profile.all_reduce_routes
-        presets = _presets(routes, kind.LL, c_ll)
-        one_shot = [p for p in presets if not getattr(p, "two_shot", False)]
-        symmetric("cutedsl.ll.mailbox", (gens, ws, c_ll, h), f"3*ws*{c_ll}*H", bf16,
-                  any(getattr(p, "peer_stores", False) for p in one_shot))
-        small("cutedsl.ll.stage_state", CUTEDSL_LL_STAGE_WORDS, 4, "int32[2]")
-        # Two-shot mailboxes: one pair per collective shape, sized to the largest token
-        # count routed to any two-shot preset of that shape.
-        served: dict = {}
-        for first, last, target in _route_ranges(routes, c_ll):
-            if target.protocol is kind.LL:
-                served[target.preset] = max(served.get(target.preset, 0), last)
-        shapes: dict = {}
-        for preset in presets:
-            if getattr(preset, "two_shot", False):
-                c2 = min(served.get(preset, c_ll), c_ll)
-                shapes[preset.collective] = max(shapes.get(preset.collective, 0), c2)
-        for collective, c2 in shapes.items():
-            symmetric("cutedsl.ll.two_shot.scatter", (gens, ws, c2, h), f"3*ws*{c2}*H",
-                      bf16, True)
-            symmetric("cutedsl.ll.two_shot.gather", (gens, c2, h), f"3*{c2}*H", bf16, False)
-            cluster = collective.cluster_size
-            small("cutedsl.ll.two_shot.generations", c2 * cluster, 4,
-                  f"int32[{c2}*{cluster}]")
-    c_bt = capacity[kind.BT]
+        _ll_buffers(b, profile, kind, c_ll, h)
     if c_bt is not None:
-        local = -(-c_bt // ws)
-        symmetric("cutedsl.bt.contribution", (gens, ws, local, h),
-                  f"3*ws*ceil({c_bt}/ws)*H", bf16, True)
-        symmetric("cutedsl.bt.prenorm", (gens, c_bt, h), f"3*{c_bt}*H", bf16, True)
-        small("cutedsl.bt.stage_state", CUTEDSL_BT_STAGE_WORDS, 4, "int32[6]")
-    c_ht = capacity[kind.HT]
+        _bt_buffers(b, c_bt, h)
     if c_ht is not None:
-        slots = -(-c_ht // ws)
-        for which in ("routed", "all_reduce"):
-            symmetric(f"cutedsl.ht.{which}_ready", (slots,), f"ceil({c_ht}/ws)", 4, True)
-            small(f"cutedsl.ht.{which}_processed", slots * ws, 4,
-                  f"uint32[ceil({c_ht}/ws), ws]")
-        symmetric("cutedsl.ht.local", (c_ht, h), f"{c_ht}*H", bf16, False)
-        symmetric("cutedsl.ht.prenorm", (c_ht, h), f"{c_ht}*H", bf16, False)
+        _ht_buffers(b, c_ht, h)
     notes = [f"capacities LL={c_ll} BT={c_bt} HT={c_ht} (FlashInfer {version} profile "
              f"tp={ws} H={h} top_k={top_k} cc={cc})"]
     if facts.multicast_all_ranks is False:
         notes.append("a peer lacks multicast: torch leaves the multicast pointer 0 and "
                      "FlashInfer raises RuntimeError after the first multicast buffer")
     return Plan(version, t.label, "unified", "mnnvl-cutedsl", "D", "posix", None,
-                tuple(allocations), ws, req.dtype, tuple(notes))
-
+                tuple(b.allocations), ws, req.dtype, tuple(notes))
