@@ -14,11 +14,9 @@ import os
 import threading
 from typing import Any, Callable, Mapping, NamedTuple
 
-PREFIX = "FLASHINFER_SAFE_WORKSPACE"
-_log = logging.getLogger("flashinfer_safe_workspace")
+from .activation.gate import OFF as _FALSE, ON as _TRUE, VARIABLE as PREFIX  # one home
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+_log = logging.getLogger("flashinfer_safe_workspace")
 
 
 class ParseError(ValueError):
