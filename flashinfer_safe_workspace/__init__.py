@@ -1,8 +1,10 @@
 """flashinfer_safe_workspace: create FlashInfer's all-reduce fusion workspace on every
 rank or on none.
 
-Activated by ``FLASHINFER_SAFE_WORKSPACE=1`` (through the installed ``.pth``, or by
-importing this package), or explicitly with :func:`install`.
+Activated by ``FLASHINFER_SAFE_WORKSPACE=1`` through the installed ``.pth`` line or
+``.start`` file, or through an engine's plugin entry point (all of them call
+``activation.gate``), or explicitly with :func:`install`. Importing the package activates
+nothing by itself.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def install(**overrides) -> None:
     _decide.clear_cache()  # vetoes were decided under the previous settings
     _log.configure(settings.debug)
     _bootstrap.stop_watching()
-    _bootstrap.register_hooks()
+    _bootstrap.register_hooks("install()")
 
 
 def uninstall() -> None:
@@ -39,6 +41,7 @@ def uninstall() -> None:
 
     _bootstrap.stop_watching()
     _patch.uninstall_targets()
+    _bootstrap.forget_activation()
     _decide.clear_cache()
 
 
@@ -51,12 +54,3 @@ def is_installed() -> bool:
     from .activation import patch as _patch
 
     return _patch.is_active()
-
-
-def _activate_from_environment() -> None:
-    from .activation import bootstrap as _bootstrap
-
-    _bootstrap.main()
-
-
-_activate_from_environment()

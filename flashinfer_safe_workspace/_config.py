@@ -14,11 +14,9 @@ import os
 import threading
 from typing import Any, Callable, Mapping, NamedTuple
 
-PREFIX = "FLASHINFER_SAFE_WORKSPACE"
-_log = logging.getLogger("flashinfer_safe_workspace")
+from .activation.gate import OFF as _FALSE, ON as _TRUE, VARIABLE as PREFIX  # one home
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+_log = logging.getLogger("flashinfer_safe_workspace")
 
 
 class ParseError(ValueError):
@@ -88,8 +86,9 @@ class Var(NamedTuple):
 # The single source of truth. The README's table is checked against it by a test.
 VARIABLES: tuple[Var, ...] = (
     Var(PREFIX, "enabled", "bool", False, parse_bool,
-        "Master switch. On: the `.pth` activates the shim at interpreter start. The only "
-        "variable the `.pth` pre-gate looks at."),
+        "Master switch for every activation path (the `.pth` line, the `.start` file, the "
+        "engines' plugins): on, the shim is active in every process that inherits it. The "
+        "only variable the gate looks at."),
     Var(f"{PREFIX}_ON_VETO", "on_veto", "auto\\|none\\|raise", "auto",
         _choice("auto", "none", "raise"),
         "What a rank gets when the vote vetoes. `auto`: `WorkspaceVetoed` raised when the "

@@ -735,9 +735,6 @@ OTHER_EVIDENCE = """## Other evidence from the two-GPU host (commit 6673930)
   `TRTLLMAllReduceFusionWorkspace` on both), `FLASHINFER_SAFE_WORKSPACE=1 python3 -m
   flashinfer_safe_workspace doctor` (active, exit 0) and `check --backend trtllm
   --world-size 2 --max-token-num 2048 --hidden-dim 4096 --dtype bfloat16` (fits, exit 0).
-- `docs/gpu/results-8b67e09.json`: an earlier run of this script at commit 8b67e09 with
-  `--sweep-deltas=-2,0,2,4,6,8,12,16` (32 sweep points): every case passed with the same
-  verdicts; the shim's decision equalled FlashInfer's own fate at all 32 points.
 - **Multicast granularity depends on the object's size** (`python3 scripts/mc-granularity
   --devices 2`, and `--devices 8`, a query only, on the same host kind, driver 580.159.04;
   `docs/gpu/mc-granularity-*.jsonl`): RECOMMENDED is 2 MiB for a 2 MiB object and 512 MiB for

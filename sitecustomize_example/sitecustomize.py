@@ -4,7 +4,9 @@ instead of installing the wheel's ``.pth`` (for example a read-only image).
 Copy this directory next to the package (or anywhere), add it to PYTHONPATH, set
 FLASHINFER_SAFE_WORKSPACE=1. Python imports only the *first* ``sitecustomize`` on
 ``sys.path``, so this one finds and runs the one it shadows (the image's own) after
-doing its part. Stdlib only until the variable says on; it never raises.
+doing its part. With the variable absent it imports nothing of ours; otherwise the
+package's gate decides (the same one the ``.pth``, ``.start`` and plugin paths call). It
+never raises.
 """
 
 import importlib.util
@@ -13,11 +15,12 @@ import sys
 
 
 def _activate():
-    value = os.environ.get("FLASHINFER_SAFE_WORKSPACE", "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    if "FLASHINFER_SAFE_WORKSPACE" not in os.environ:
         return
     try:
-        import flashinfer_safe_workspace  # noqa: F401  (activates on import)
+        from flashinfer_safe_workspace.activation import gate
+
+        gate.from_sitecustomize()
     except Exception as exc:  # never break interpreter start-up
         sys.stderr.write(f"flashinfer_safe_workspace: sitecustomize could not activate: {exc}\n")
 

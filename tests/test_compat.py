@@ -229,7 +229,7 @@ def test_cuda_python_12_check_and_doctor_say_no_driver():
     env = _cuda12_env()
     _no_driver_here()
     check = subprocess.run([sys.executable, "-S", "-m", "flashinfer_safe_workspace", "check",
-                            "--flashinfer-version", "0.7.4"], env=env, capture_output=True,
+                            "--flashinfer-version", "0.7.4", "--default-shape"], env=env, capture_output=True,
                            text=True, timeout=TIMEOUT)
     assert check.returncode == 2, check.stdout + check.stderr
     assert "cannot-tell" in check.stdout

@@ -177,10 +177,21 @@ def test_doctor_prints_the_facts_it_plans_with():
         assert facts["source"].startswith("H200 values")
         assert facts["multicast_granularity_by_size"] == {str(2 << 20): 2 << 20,
                                                           str(1 << 30): 512 << 20}
-    text = doctor("--no-import", **{VAR: "1"}).stdout
+    text = " ".join(doctor("--no-import", **{VAR: "1"}).stdout.split())  # lines are wrapped
     assert f"torch signal pad {pad} B ({source})" in text
     # the line states the granularity the facts hold (H200's 2 MiB without a driver; the
     # driver's answer with one)
     assert f"granularity {facts['granularity'] / (1 << 20):g} MiB;" in text, (facts, text)
     if r["cuda"]["error"]:
         assert facts["granularity"] == 2 << 20
+
+
+def test_text_lines_are_wrapped_and_the_cuda_error_said_once():
+    proc = doctor("--no-import", **{VAR: "1"})
+    lines = proc.stdout.splitlines()
+    assert all(len(l) <= 100 or " " not in l.strip() for l in lines), \
+        [l for l in lines if len(l) > 100]
+    rc, r = doctor_json("--no-import", **{VAR: "1"})
+    if r["cuda"]["error"]:
+        assert proc.stdout.count("CUDA:") == 1, proc.stdout
+    assert "activated by pth" in proc.stdout or "activated by start" in proc.stdout

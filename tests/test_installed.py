@@ -34,3 +34,10 @@ def test_the_wheel_ships_the_pth_pre_gate():
         "site-packages" / "flashinfer_safe_workspace.pth"
     assert pth.exists(), pth
     assert pth.read_text() == (ROOT / "flashinfer_safe_workspace.pth").read_text()
+
+
+def test_the_wheel_ships_the_start_file():
+    start = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / \
+        "site-packages" / "flashinfer_safe_workspace.start"
+    assert start.exists(), start
+    assert start.read_text() == (ROOT / "flashinfer_safe_workspace.start").read_text()

@@ -55,7 +55,8 @@ def test_double_install_never_double_wraps():
     assert out["depth"] == 1 and out["depth2"] == 1
 
 
-def test_env_var_import_activates_and_off_does_not():
+def test_env_var_gate_activates_and_off_does_not():
+    """The variable (installed .pth) wraps everything; off, nothing is wrapped."""
     on = _run("import flashinfer_safe_workspace\n" + CHECK, env={"FLASHINFER_SAFE_WORKSPACE": "1"})
     assert on == ALL
     off = _run("import flashinfer_safe_workspace\n" + CHECK, env={"FLASHINFER_SAFE_WORKSPACE": "0"})

@@ -67,7 +67,8 @@ def test_layout_section_is_the_package_tree():
     """The README's Layout block names every module and folder of the package, in place."""
     listed = _layout_tree((ROOT / "README.md").read_text())
     pkg = ROOT / "flashinfer_safe_workspace"
-    present = {"flashinfer_safe_workspace/", "flashinfer_safe_workspace.pth"}
+    present = {"flashinfer_safe_workspace/", "flashinfer_safe_workspace.pth",
+               "flashinfer_safe_workspace.start"}
     for path in pkg.rglob("*"):
         if "__pycache__" in path.parts or (path.is_file() and path.suffix != ".py"):
             continue

@@ -30,12 +30,25 @@ def _loaded(env, args=()):
     return json.loads([l for l in proc.stdout.splitlines() if l.startswith("OUT")][-1][3:]), proc
 
 
-@pytest.mark.parametrize("value", [None, "", "0", "off", "FALSE", "no"])
-def test_off_imports_nothing_of_ours(value):
-    env = {} if value is None else {"FLASHINFER_SAFE_WORKSPACE": value}
-    loaded, proc = _loaded(env)
+def test_unset_imports_nothing_of_ours():
+    loaded, proc = _loaded({})
     assert loaded == []
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("value", ["", "0", "off", "FALSE", "no"])
+def test_off_loads_only_the_gate(value):
+    """A variable that is present but off: the .pth line hands it to the gate (the spellings'
+    one home), which stops there: no bootstrap, no settings, nothing heavy."""
+    code = ("import sys, json; print('OUT' + json.dumps(sorted(m for m in sys.modules"
+            " if m.startswith(('flashinfer', 'wrapt', 'torch')))))")
+    proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": value})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    loaded = json.loads([l for l in proc.stdout.splitlines() if l.startswith("OUT")][-1][3:])
+    assert loaded == sorted(["flashinfer_safe_workspace", "flashinfer_safe_workspace._errors",
+                             "flashinfer_safe_workspace._version",
+                             "flashinfer_safe_workspace.activation",
+                             "flashinfer_safe_workspace.activation.gate"])
 
 
 def test_on_without_flashinfer_loads_neither_wrapt_nor_torch():
@@ -70,7 +83,7 @@ def test_off_leaves_flashinfer_unwrapped():
             "from flashinfer.comm import allreduce\n"
             "print('OUT', hasattr(c.create_allreduce_fusion_workspace, '__wrapped__'),"
             " c.create_allreduce_fusion_workspace is allreduce.create_allreduce_fusion_workspace,"
-            " 'flashinfer_safe_workspace' in sys.modules)")
+            " 'flashinfer_safe_workspace.activation.bootstrap' in sys.modules)")
     proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": "0"})
     assert "OUT False True False" in proc.stdout, proc.stdout + proc.stderr
 

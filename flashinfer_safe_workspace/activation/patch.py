@@ -147,5 +147,12 @@ def wrapped_bindings() -> list:
     return out
 
 
+def enable() -> None:
+    """From now on the import hooks wrap FlashInfer's modules as they are imported."""
+    global _active
+    with _lock:
+        _active = True
+
+
 def is_active() -> bool:
     return _active

@@ -5,7 +5,6 @@
     check    does a workspace fit on this GPU now (exit 0 / 1 / 2)
     doctor   is the shim active here, and why; the runtime facts it plans with
     demo     local ranks creating a workspace through the shim
-    logline  the decision-line parser (moves to ``_log``)
 """
 
 from .main import main

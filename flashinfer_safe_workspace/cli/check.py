@@ -27,93 +27,119 @@ def check_report(*, backend: str, world_size: int, max_token_num: int, hidden_di
     matching 0 / 1 / 2.
     """
     from .. import _config
-    from ..planning import facts as _facts, plan as _plan, probe as _probe, rules
+    from ..planning import rules
 
-    settings = _config.current()
-    if headroom_mb is None:  # auto: check sees no engine group, so the NCCL case counts
-        from ..planning import headroom as _headroom
-
-        head_bytes, head_why = _headroom.resolve(settings.headroom_mb, entry="unified",
-                                                 backend=backend, group=None, comm_backend=None)
-        headroom = head_bytes // MiB
-    else:
-        headroom, head_why = int(headroom_mb), "set"
-    version = flashinfer_version or rules.flashinfer_version()
+    headroom, head_why = _headroom_mib(_config.current(), backend, headroom_mb)
     r: dict = {"backend": backend, "world_size": world_size, "max_token_num": max_token_num,
-               "hidden_dim": hidden_dim, "dtype": dtype, "device": device,
+               "hidden_dim": hidden_dim, "dtype": dtype, "device": device, "rank": rank,
                "headroom_bytes": headroom * MiB, "headroom_why": head_why,
-               "flashinfer_version": version,
+               "flashinfer_version": flashinfer_version or rules.flashinfer_version(),
                "prober": "simulated" if simulate_free_mb is not None else "cuda",
                "plan": None, "peak_bytes": None, "free_bytes": None, "total_bytes": None,
                "probe_ok": None, "probe_ms": None, "headroom_left_bytes": None, "notes": [],
                "facts": None}
+    r["status"], r["reason"] = _answer(r, simulate_free_mb)
+    r["exit_code"] = {"fits": FITS, "does-not-fit": DOES_NOT_FIT}.get(r["status"], CANNOT_TELL)
+    return r
 
-    def done(status: str, why: str) -> dict:
-        r["status"], r["reason"] = status, why
-        r["exit_code"] = {"fits": FITS, "does-not-fit": DOES_NOT_FIT}.get(status, CANNOT_TELL)
-        return r
 
+def _headroom_mib(settings, backend: str, headroom_mb: Optional[int]):
+    """(MiB, why): the argument, or auto as check sees it (no engine group: the NCCL case)."""
+    if headroom_mb is not None:
+        return int(headroom_mb), "set"
+    from ..planning import headroom as _headroom
+
+    head_bytes, head_why = _headroom.resolve(settings.headroom_mb, entry="unified",
+                                             backend=backend, group=None, comm_backend=None)
+    return head_bytes // MiB, head_why
+
+
+def _answer(r: dict, simulate_free_mb: Optional[int]):
+    """(status, reason), filling ``r`` with the facts, the plan and the probe's figures."""
+    from ..planning import plan as _plan, probe as _probe, rules
+
+    version = r["flashinfer_version"]
     if version is None:
-        return done("cannot-tell", "FlashInfer is not installed and --flashinfer-version not given")
+        return "cannot-tell", "FlashInfer is not installed and --flashinfer-version not given"
     try:
         if rules.is_unknown(version):
             r["notes"].append(f"FlashInfer {version} is newer than the newest release mirrored "
                               f"({'.'.join(map(str, rules.NEWEST[:3]))}): planned with the "
                               "newest rules")
     except _plan.Unplanned as exc:
-        return done("cannot-tell", str(exc))
+        return "cannot-tell", str(exc)
+    device = r["device"]
     if simulate_free_mb is not None:
         prober = _probe.SimulatedDevice(int(simulate_free_mb) * MiB, device=device)
     else:
         prober = _probe.CudaProber()
+    plan = _plan_here(r, prober)
+    if isinstance(plan, tuple):
+        return plan
+    r["plan"], r["plan_text"], r["peak_bytes"] = plan.to_json(), plan.describe(), plan.peak_bytes
+    return _probe_plan(r, prober, plan)
+
+
+def _plan_here(r: dict, prober):
+    """The plan with this device's facts (recorded in ``r``), or (status, reason)."""
+    from .. import _config
+    from ..planning import facts as _facts, plan as _plan, probe as _probe, rules
+
+    device = r["device"]
     cc = _config.flashinfer_confidential_compute_override() == "1"
     try:  # the facts the shim plans with: prober, torch's signal pad, per-size Gmc
         facts = _facts.runtime_facts(prober, device=device, confidential_compute=cc,
-                                     world_size=world_size)
+                                     world_size=r["world_size"])
     except _probe.ProbeUnavailable as exc:
-        return done("cannot-tell", f"no usable CUDA driver or device: {exc}")
+        return "cannot-tell", f"no usable CUDA driver or device: {exc}"
     except Exception as exc:  # the driver surprising us (bad ordinal, ...)
-        return done("cannot-tell", f"could not query cuda:{device}: {type(exc).__name__}: {exc}")
-    if backend == "auto":
+        return "cannot-tell", f"could not query cuda:{device}: {type(exc).__name__}: {exc}"
+    if r["backend"] == "auto":
         r["notes"].append("backend auto: resolved with this GPU's multicast support only; "
                           "FlashInfer asks every rank (one GPU without it picks trtllm)")
-    req = _plan.Request(entry="unified", backend=backend, world_size=world_size, rank=rank,
-                        max_token_num=max_token_num, hidden_dim=hidden_dim, dtype=dtype)
+    req = _plan.Request(entry="unified", backend=r["backend"], world_size=r["world_size"],
+                        rank=r["rank"], max_token_num=r["max_token_num"],
+                        hidden_dim=r["hidden_dim"], dtype=r["dtype"])
     pad_source = _facts.signal_pad()[1]
     try:
-        plan = rules.plan_for(req, facts, version)
+        plan = rules.plan_for(req, facts, r["flashinfer_version"])
     except _plan.Unplanned as exc:
-        return done("cannot-tell", f"no allocation rule for this call: {exc}")
+        return "cannot-tell", f"no allocation rule for this call: {exc}"
     except Exception as exc:  # noqa: BLE001 - our bug: report it, never crash
-        return done("cannot-tell", f"planning failed: {type(exc).__name__}: {exc}")
+        return "cannot-tell", f"planning failed: {type(exc).__name__}: {exc}"
     finally:  # after planning: the multicast answers it asked for are part of the facts
         r["facts"] = _facts.describe(facts, pad_source=pad_source,
                                      source=f"{prober.name} cuda:{device}")
     if isinstance(plan, _plan.PassThrough):
-        return done("cannot-tell", f"FlashInfer rejects these arguments before allocating: "
-                    f"{plan.reason}")
-    r["plan"] = plan.to_json()
-    r["plan_text"] = plan.describe()
-    r["peak_bytes"] = plan.peak_bytes
+        return "cannot-tell", f"FlashInfer rejects these arguments before allocating: {plan.reason}"
+    return plan
+
+
+def _probe_plan(r: dict, prober, plan):
+    """Probe plan plus headroom the way the wrapper's probe does; (status, reason)."""
+    from ..planning import probe as _probe
+
+    headroom = r["headroom_bytes"]
     try:
-        result = prober.probe(plan, headroom * MiB, device=device)
+        result = prober.probe(plan, headroom, device=r["device"])
     except _probe.ProbeUnavailable as exc:
-        return done("cannot-tell", f"no usable CUDA driver or device: {exc}")
+        return "cannot-tell", f"no usable CUDA driver or device: {exc}"
     except Exception as exc:
-        return done("cannot-tell", f"the probe failed: {type(exc).__name__}: {exc}")
+        return "cannot-tell", f"the probe failed: {type(exc).__name__}: {exc}"
     r["free_bytes"], r["total_bytes"] = result.free_bytes, result.total_bytes
     r["probe_ok"], r["probe_ms"] = result.ok, round(result.elapsed_s * 1000, 3)
     if result.free_bytes >= 0:
-        r["headroom_left_bytes"] = result.free_bytes - plan.peak_bytes - headroom * MiB
+        r["headroom_left_bytes"] = result.free_bytes - plan.peak_bytes - headroom
     if result.ok:
-        return done("fits", f"cuMemCreate of the whole plan ({plan.peak_bytes / MiB:.1f} MiB) plus "
-                    f"{headroom} MiB headroom succeeded on cuda:{result.device}")
+        return "fits", (f"cuMemCreate of the whole plan ({plan.peak_bytes / MiB:.1f} MiB) plus "
+                        f"{headroom // MiB} MiB headroom succeeded on cuda:{result.device}")
     if result.reason == _probe.OUT_OF_MEMORY:
         what = "the headroom" if result.failed_name == "headroom" else result.failed_name
-        return done("does-not-fit", f"{what} ({result.failed_bytes / MiB:.1f} MiB) failed with "
-                    f"{result.cuda_error_name or 'out of memory'} on cuda:{result.device}")
-    return done("cannot-tell", f"the probe failed with {result.cuda_error_name or 'an error'} "
-                f"(not out-of-memory) on {result.failed_name}")
+        return "does-not-fit", (f"{what} ({result.failed_bytes / MiB:.1f} MiB) failed with "
+                                f"{result.cuda_error_name or 'out of memory'} on "
+                                f"cuda:{result.device}")
+    return "cannot-tell", (f"the probe failed with {result.cuda_error_name or 'an error'} "
+                           f"(not out-of-memory) on {result.failed_name}")
 
 
 def format_check(r: dict) -> str:

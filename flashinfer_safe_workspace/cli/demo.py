@@ -22,6 +22,8 @@ import time
 
 from ..planning.plan import MiB
 
+FLASHINFER_RAISED = "FlashInfer was called and raised"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,7 +32,18 @@ def _free_port() -> int:
 
 
 def run(args) -> int:
-    """Parent: start the ranks, collect one JSON line from each, print them."""
+    """Parent: start the ranks, collect one JSON line from each, print them. Exit 0 when
+    every rank answered (a rank told to die excepted), 1 when one failed or hung."""
+    rows = _collect(args, _spawn(args))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    else:
+        _print_table(rows, args)
+    return 0 if all(r.get("returncode") == 0 or r["rank"] == args.die_rank for r in rows) else 1
+
+
+def _spawn(args) -> list:
     port = _free_port()
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -49,6 +62,11 @@ def run(args) -> int:
                 cmd += ["--" + flag.replace("_", "-"), str(value)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _collect(args, procs) -> list:
+    """One row per rank, each wait bounded by the vote timeout plus a minute in all."""
     limit = args.vote_timeout + 60.0
     start = time.monotonic()
     rows = []
@@ -70,12 +88,7 @@ def run(args) -> int:
             row = json.loads(line)
             row["returncode"] = proc.returncode
             rows.append(row)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row, sort_keys=True))
-    else:
-        _print_table(rows, args)
-    return 0 if all(r.get("returncode") == 0 or r["rank"] == args.die_rank for r in rows) else 1
+    return rows
 
 
 def _print_table(rows, args) -> None:
@@ -96,76 +109,36 @@ def _print_table(rows, args) -> None:
     reasons = {r.get("reason") for r in rows if r.get("reason")}
     for reason in sorted(reasons):
         print(f"  reason: {reason}")
+    if any(r.get("device_kind") == "simulated" and str(r.get("outcome", "")).startswith(
+            FLASHINFER_RAISED) for r in rows):
+        print("  note: the vote passed, so FlashInfer's own function was called; without a GPU "
+              "its error is expected here (the simulated device stands in for the probe only)")
 
 
 def rank_main(args) -> int:
     """Child: one rank."""
     import torch
-    import torch.distributed as dist
 
     import flashinfer_safe_workspace as fiws
-    from flashinfer_safe_workspace.planning import (
-        facts as _facts,
-        plan as _plan,
-        probe as _probe,
-        rules,
-    )
 
-    rank, ws = args.rank, args.world_size
-    dist.init_process_group("gloo", rank=rank, world_size=ws,
-                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-    use_gpu = args.mode == "gpu" or (args.mode == "auto" and torch.cuda.device_count() >= ws)
+    dist = _join(args)
+    use_gpu = args.mode == "gpu" or (args.mode == "auto"
+                                     and torch.cuda.device_count() >= args.world_size)
     fiws.install(on_veto=args.on_veto, vote_timeout=args.vote_timeout)
     heard = _Heard()  # what the decision logs: its decision line, a veto's WARNING
-    import flashinfer
-    import flashinfer.comm as comm
-
-    settings = fiws._config.current()
-    dtype = getattr(torch, args.dtype)
-    req = _plan.Request("unified", args.backend, ws, rank, args.max_token_num, args.hidden_dim,
-                        args.dtype)
-    hog = None
-    from ..planning import request as _request
-
-    headroom_bytes = _request.headroom(settings, req, {})[0]  # what the shim will use here
-    if use_gpu:
-        torch.cuda.set_device(rank)
-        facts = _facts.runtime_facts(_probe.CudaProber(), confidential_compute=False,
-                                     world_size=ws)
-        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
-        if args.starve_rank == rank:
-            hog = _Hog(rank)
-            hog.fill(leave=need - args.short_mb * MiB)
-        kind = f"cuda:{rank}"
-    else:
-        facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 40), confidential_compute=False,
-                                     world_size=ws)
-        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
-        free = need - args.short_mb * MiB if args.starve_rank == rank else 80 << 30
-        _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
-        kind = "simulated"
+    headroom_bytes, kind, hog = _prepare_device(args, use_gpu)
     dist.barrier()
-    if args.die_rank == rank:
+    if args.die_rank == args.rank:
         os._exit(3)  # dies before the vote
-    if args.slow_rank == rank:
+    if args.slow_rank == args.rank:
         time.sleep(args.vote_timeout + 2.0)
     start = time.perf_counter()
-    outcome, reason = "", ""
-    try:
-        ws_obj = comm.create_allreduce_fusion_workspace(
-            backend=args.backend, world_size=ws, rank=rank, max_token_num=args.max_token_num,
-            hidden_dim=args.hidden_dim, dtype=dtype)
-        outcome = "None (vetoed)" if ws_obj is None else f"created {type(ws_obj).__name__}"
-        if ws_obj is not None:
-            ws_obj.destroy()
-    except fiws.WorkspaceVetoed as exc:
-        outcome, reason = "raised WorkspaceVetoed", str(exc)
-    except Exception as exc:  # FlashInfer's own error, e.g. no CUDA on this machine
-        outcome = f"FlashInfer was called and raised {type(exc).__name__}: {str(exc)[:120]}"
+    outcome, reason = _create(args)
     decision_ms = (time.perf_counter() - start) * 1000
     heard.close()
-    row = {"rank": rank, "device_kind": kind, "outcome": outcome, "decision_ms": decision_ms,
-           "headroom_bytes": headroom_bytes, "reason": heard.veto or reason}
+    row = {"rank": args.rank, "device_kind": kind, "outcome": outcome,
+           "decision_ms": decision_ms, "headroom_bytes": headroom_bytes,
+           "reason": heard.veto or reason}
     line = heard.decision()
     if line is not None:  # the decision line's fields; "outcome" stays what the call gave
         row.update({k: v for k, v in line.items() if k != "outcome"})
@@ -173,19 +146,86 @@ def rank_main(args) -> int:
     if hog is not None:
         hog.release()
     print(json.dumps(row, default=str), flush=True)
-    # rank 0's process hosts the store the decision goes through: it stays until every rank
-    # has read its answer (bounded: a rank that died on purpose never says so)
+    _stay_for_peers(dist, args)
+    os._exit(0)  # skip process-group teardown: peers may have died on purpose
+
+
+def _join(args):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
+                                        f"{os.environ['MASTER_PORT']}")
+    return dist
+
+
+def _prepare_device(args, use_gpu: bool):
+    """(headroom bytes the shim will use, device kind, hog or None): on GPUs the starved
+    rank's GPU is really filled; otherwise a simulated device stands in for the probe."""
+    import flashinfer
+
+    from .. import _config
+    from ..planning import facts as _facts, plan as _plan, probe as _probe, request as _request
+    from ..planning import rules
+
+    rank, ws = args.rank, args.world_size
+    req = _plan.Request("unified", args.backend, ws, rank, args.max_token_num, args.hidden_dim,
+                        args.dtype)
+    headroom_bytes = _request.headroom(_config.current(), req, {})[0]
+    starved = args.starve_rank == rank
+    if use_gpu:
+        import torch
+
+        torch.cuda.set_device(rank)
+        facts = _facts.runtime_facts(_probe.CudaProber(), confidential_compute=False,
+                                     world_size=ws)
+        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
+        hog = _Hog(rank) if starved else None
+        if hog is not None:
+            hog.fill(leave=need - args.short_mb * MiB)
+        return headroom_bytes, f"cuda:{rank}", hog
+    facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 40), confidential_compute=False,
+                                 world_size=ws)
+    need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
+    free = need - args.short_mb * MiB if starved else 80 << 30
+    _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
+    return headroom_bytes, "simulated", None
+
+
+def _create(args):
+    """(outcome, reason) of one create_allreduce_fusion_workspace call through the shim."""
+    import torch
+    import flashinfer.comm as comm
+
+    import flashinfer_safe_workspace as fiws
+
+    try:
+        ws_obj = comm.create_allreduce_fusion_workspace(
+            backend=args.backend, world_size=args.world_size, rank=args.rank,
+            max_token_num=args.max_token_num, hidden_dim=args.hidden_dim,
+            dtype=getattr(torch, args.dtype))
+        if ws_obj is not None:
+            ws_obj.destroy()
+        return ("None (vetoed)" if ws_obj is None else f"created {type(ws_obj).__name__}"), ""
+    except fiws.WorkspaceVetoed as exc:
+        return "raised WorkspaceVetoed", str(exc)
+    except Exception as exc:  # FlashInfer's own error, e.g. no CUDA on this machine
+        return f"{FLASHINFER_RAISED} {type(exc).__name__}: {str(exc)[:120]}", ""
+
+
+def _stay_for_peers(dist, args) -> None:
+    """Rank 0's process hosts the store the decision goes through: it stays until every
+    rank has read its answer (bounded: a rank that died on purpose never says so)."""
     try:
         import datetime
 
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"demo/done/{rank}", "1")
-        if rank == 0:
-            alive = [r for r in range(ws) if r != args.die_rank]
+        store.set(f"demo/done/{args.rank}", "1")
+        if args.rank == 0:
+            alive = [r for r in range(args.world_size) if r != args.die_rank]
             store.wait([f"demo/done/{r}" for r in alive], datetime.timedelta(seconds=30))
     except Exception:  # noqa: BLE001 - the demo's own bookkeeping
         pass
-    os._exit(0)  # skip process-group teardown: peers may have died on purpose
 
 
 class _Heard(logging.Handler):
@@ -215,10 +255,9 @@ class _Heard(logging.Handler):
         super().close()
 
     def decision(self):
-        from .logline import from_log
+        from .._log import parse_decision_lines
 
-        _, parse = from_log()
-        found = parse("\n".join(self.lines))
+        found = parse_decision_lines("\n".join(self.lines))
         return found[-1] if found else None
 
 

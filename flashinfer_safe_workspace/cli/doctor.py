@@ -11,9 +11,12 @@ import dataclasses
 import os
 import site
 import sys
+import textwrap
 from typing import Optional
 
 PTH_NAME = "flashinfer_safe_workspace.pth"
+START_NAME = "flashinfer_safe_workspace.start"  # PEP 829: run instead of the .pth line on 3.15+
+WIDTH = 100  # doctor's lines are wrapped to this many characters
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -39,10 +42,10 @@ def _site_dirs() -> list:
     return dirs
 
 
-def find_pth_files() -> list:
-    """``(path, runs_at_start)`` for every ``flashinfer_safe_workspace.pth`` in a site
-    directory (``.pth`` files there run at start-up) or elsewhere on ``sys.path``
-    (found, but Python does not run ``.pth`` files from plain path entries)."""
+def find_pth_files(name: str = PTH_NAME) -> list:
+    """``(path, runs_at_start)`` for every ``name`` (the ``.pth``, or the ``.start`` file)
+    in a site directory (such files there run at start-up) or elsewhere on ``sys.path``
+    (found, but Python does not run them from plain path entries)."""
     seen, found = set(), []
     site_dirs = _site_dirs()
     for runs, dirs in ((True, site_dirs), (False, [p for p in sys.path if p])):
@@ -51,7 +54,7 @@ def find_pth_files() -> list:
             if real in seen:
                 continue
             seen.add(real)
-            path = os.path.join(d, PTH_NAME)
+            path = os.path.join(d, name)
             if os.path.isfile(path):
                 found.append((path, runs))
     return found
@@ -72,6 +75,7 @@ def _pth_report() -> dict:
                         "problem": "" if ok else "does not contain the activation line"})
     return {
         "files": entries,
+        "start_files": [path for path, runs in find_pth_files(START_NAME) if runs],
         "site_dirs": _site_dirs(),
         "site_enabled": not sys.flags.no_site,  # -S: no .pth file runs at all
     }
@@ -192,6 +196,8 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
     report["facts"] = facts_report(report["cuda"])
     report["waiting_for_flashinfer"] = _watching()
     report["active"] = bool(_patch.is_active()) or report["waiting_for_flashinfer"]
+    # pth / start / plugin:vllm / plugin:sglang / plugin:aphrodite / sitecustomize / install()
+    report["activated_by"] = _bootstrap.activated_by() if report["active"] else None
     report["why"] = _why(report)
     return report
 
@@ -208,11 +214,12 @@ def _why(r: dict) -> list:
     except ParseError:
         env_on = False
     if r["active"]:
-        if env_on:
-            lines.append(f"{var['name']}={raw!r} turns the shim on")
-        else:
+        how = r.get("activated_by")
+        if how == "install()":
             lines.append("activated in code by flashinfer_safe_workspace.install() "
                          f"({var['name']}={raw!r})")
+        else:
+            lines.append(f"{var['name']}={raw!r} turns the shim on (through {how or '?'})")
     elif raw is None or not raw.strip():
         lines.append(f"{var['name']} is not set; set {var['name']}=1 to turn the shim on")
     elif not env_on:
@@ -247,8 +254,6 @@ def _why(r: dict) -> list:
                      "FlashInfer has neither target function")
     if r["wrapt"]["version"] is None:
         lines.append("wrapt is not installed: the shim cannot hook FlashInfer")
-    if r["cuda"]["error"]:
-        lines.append(f"CUDA: {r['cuda']['error']} (the probe will vote no unless FAIL_OPEN)")
     return lines
 
 
@@ -260,6 +265,7 @@ def format_doctor(r: dict) -> str:
     out = [
         f"flashinfer_safe_workspace {r['package_version']} (python {r['python']}, {r['executable']})",
         f"  active in this interpreter: {yes(r['active'])}"
+        + (f", activated by {r['activated_by']}" if r.get("activated_by") else "")
         + (" (hooks registered at the first import of flashinfer)"
            if r.get("waiting_for_flashinfer") else ""),
         f"  {var['name']}: {var['value']!r} -> enabled={var['enabled']}",
@@ -271,6 +277,8 @@ def format_doctor(r: dict) -> str:
                        + ("" if entry["ok"] else f" ({entry['problem']})"))
     else:
         out.append(f"  .pth: not found ({PTH_NAME})")
+    for path in r["pth"].get("start_files", []):
+        out.append(f"  .start: {path} (Python 3.15+ runs it instead of the .pth line)")
     w = r["wrapt"]
     out.append(f"  wrapt: {w['version'] or 'not installed'} (major {w['major']}, "
                f"imported {yes(w['imported'])})")
@@ -283,8 +291,8 @@ def format_doctor(r: dict) -> str:
     else:
         out.append("  wrapped now: nothing" + ("" if fi["imported"] else
                                                 " (flashinfer.comm not imported)"))
-    if cuda["error"]:
-        out.append(f"  CUDA: {cuda['error']}")
+    if cuda["error"]:  # said once, here
+        out.append(f"  CUDA: {cuda['error']} (the probe will vote no unless FAIL_OPEN)")
     else:
         out.append(f"  CUDA: driver {cuda['driver_version']}, {cuda['device_count']} device(s) "
                    f"({cuda['bindings']})")
@@ -304,7 +312,17 @@ def format_doctor(r: dict) -> str:
         + (f"; {last.report_line()}" if last.status == "mismatch" else "")))
     for line in r["why"]:
         out.append(f"  - {line}")
-    return "\n".join(out)
+    return "\n".join(wrapped for line in out for wrapped in _wrap(line))
+
+
+def _wrap(line: str) -> list:
+    """``line`` in pieces of at most ``WIDTH`` characters where it has spaces to break at,
+    continued four spaces deeper than it starts."""
+    if len(line) <= WIDTH:
+        return [line]
+    indent = line[:len(line) - len(line.lstrip())]
+    return textwrap.wrap(line, width=WIDTH, subsequent_indent=indent + "    ",
+                         break_long_words=False, break_on_hyphens=False) or [line]
 
 
 def run_doctor(args) -> int:

@@ -1,7 +1,16 @@
 """Command line: ``python -m flashinfer_safe_workspace {demo,plan,check,doctor}``.
 
-The parser and the dispatch only; each command lives in its own module of this
-package and is imported when it runs.
+The parser, the checks on argument values, and the dispatch; each command lives in its own
+module of this package and is imported when it runs.
+
+Exit codes, the same for every command (``EXIT_CODES``):
+
+    0  the answer is yes: a plan printed, the workspace fits, every demo rank answered,
+       the shim is active (doctor)
+    1  the answer is no: it does not fit, a demo rank failed or hung, the shim is not
+       active (doctor)
+    2  refused or cannot tell: an invalid argument (with a message naming it), no rule for
+       this release or these arguments, no usable CUDA driver (check), an internal error
 """
 
 from __future__ import annotations
@@ -9,92 +18,210 @@ from __future__ import annotations
 import argparse
 import sys
 
+YES, NO, CANNOT_TELL = 0, 1, 2
+EXIT_CODES = {YES: "yes", NO: "no", CANNOT_TELL: "refused / cannot tell"}
+EPILOG = ("exit codes (every command): 0 yes (plan printed, fits, every rank answered, active); "
+          "1 no (does not fit, a rank failed, not active); 2 refused or cannot tell (invalid "
+          "argument, no rule, no driver)")
+INT_MAX = (1 << 31) - 1  # FlashInfer's sizes are C ints
+DEMO_MAX_RANKS = 64  # local processes; more would only exhaust the machine
+DEFAULT_SHAPE = {"world_size": 2, "max_token_num": 2048, "hidden_dim": 4096}
 
-def _add_shape(p, *, need_rank: bool = False) -> None:
-    p.add_argument("--backend", default="trtllm", choices=["trtllm", "mnnvl", "mnnvl-cutedsl", "auto"])
-    p.add_argument("--world-size", type=int, default=2)
+
+def _whole(low: int, high: int = INT_MAX):
+    """An argparse type: a whole number in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            bound = f"at least {low}" if high == INT_MAX else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def _power_of_two(text: str) -> int:
+    value = _whole(1)(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two (bytes), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value <= 86400:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 86400, got {text}")
+    return value
+
+
+def _version(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"\d+(\.\d+){1,3}([.-]?(post|rc|a|b|dev)\d*)*", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected a release such as 0.7.4, got {text!r}")
+    return text.strip()
+
+
+def _add_shape(p, *, need_rank: bool = False, required_note: str = "") -> None:
+    default = (lambda name: None) if required_note else DEFAULT_SHAPE.get
+    p.add_argument("--backend", default="trtllm",
+                   choices=["trtllm", "mnnvl", "mnnvl-cutedsl", "auto"], help="FlashInfer backend")
+    p.add_argument("--world-size", type=_whole(1), default=default("world_size"),
+                   help="ranks in the group" + required_note)
     if need_rank:
-        p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--max-token-num", type=int, default=2048)
-    p.add_argument("--hidden-dim", type=int, default=4096)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+        p.add_argument("--rank", type=_whole(0), default=0, help="this rank (below --world-size)")
+    p.add_argument("--max-token-num", type=_whole(1), default=default("max_token_num"),
+                   help="max_token_num of the call" + required_note)
+    p.add_argument("--hidden-dim", type=_whole(1), default=default("hidden_dim"),
+                   help="hidden_dim of the call" + required_note)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the call")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m flashinfer_safe_workspace")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _subparser(sub, name: str, help_text: str):
+    return sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
-    demo = sub.add_parser("demo", help="start local ranks and show plan, probe, vote, decision")
+
+def _add_demo(sub) -> None:
+    demo = _subparser(sub, "demo", "start local ranks and show plan, probe, vote, decision")
     _add_shape(demo)
-    demo.add_argument("--starve-rank", type=int, default=None)
-    demo.add_argument("--short-mb", type=int, default=64,
+    rank = _whole(0, DEMO_MAX_RANKS - 1)
+    demo.add_argument("--starve-rank", type=rank, default=None,
+                      help="this rank is left short of memory (below --world-size)")
+    demo.add_argument("--short-mb", type=_whole(0), default=64,
                       help="how far below plan+headroom the starved rank is left (MiB)")
-    demo.add_argument("--die-rank", type=int, default=None, help="this rank exits before the vote")
-    demo.add_argument("--slow-rank", type=int, default=None,
+    demo.add_argument("--die-rank", type=rank, default=None, help="this rank exits before the vote")
+    demo.add_argument("--slow-rank", type=rank, default=None,
                       help="this rank arrives after the vote timeout")
-    demo.add_argument("--vote-timeout", type=float, default=10.0)
-    demo.add_argument("--on-veto", default="none", choices=["none", "raise"])
+    demo.add_argument("--vote-timeout", type=_seconds, default=10.0, help="seconds")
+    demo.add_argument("--on-veto", default="auto", choices=["auto", "none", "raise"],
+                      help="what a rank gets on a veto (auto: the library's default; the demo "
+                      "is no engine, so None)")
     demo.add_argument("--mode", default="auto", choices=["auto", "gpu", "simulated"],
                       help="auto: real GPUs when there are enough, else a simulated device")
     demo.add_argument("--json", action="store_true", help="one JSON object per rank")
 
-    rank = sub.add_parser("_demo-rank")  # internal: one rank of the demo
-    _add_shape(rank, need_rank=True)
+    hidden = sub.add_parser("_demo-rank")  # internal: one rank of the demo (no help: unlisted)
+    _add_shape(hidden, need_rank=True)
     for flag in ("--starve-rank", "--die-rank", "--slow-rank"):
-        rank.add_argument(flag, type=int, default=None)
-    rank.add_argument("--short-mb", type=int, default=64)
-    rank.add_argument("--vote-timeout", type=float, default=10.0)
-    rank.add_argument("--on-veto", default="none")
-    rank.add_argument("--mode", default="auto")
+        hidden.add_argument(flag, type=int, default=None)
+    hidden.add_argument("--short-mb", type=int, default=64)
+    hidden.add_argument("--vote-timeout", type=float, default=10.0)
+    hidden.add_argument("--on-veto", default="auto")
+    hidden.add_argument("--mode", default="auto")
 
-    plan = sub.add_parser("plan", help="print the allocations a FlashInfer release makes (no GPU)")
-    plan.add_argument("--flashinfer-version", default=None,
-                      help="default: the installed FlashInfer")
-    plan.add_argument("--entry", default="unified", choices=["unified", "legacy"])
+
+def _add_plan(sub) -> None:
+    plan = _subparser(sub, "plan", "print the allocations a FlashInfer release makes (no GPU)")
+    plan.add_argument("--flashinfer-version", type=_version, default=None,
+                      help="release to plan for (default: the installed FlashInfer)")
+    plan.add_argument("--entry", default="unified", choices=["unified", "legacy"],
+                      help="create_allreduce_fusion_workspace (unified) or the legacy function")
     _add_shape(plan, need_rank=True)
-    plan.add_argument("--force-oneshot-support", action="store_true")
+    plan.add_argument("--force-oneshot-support", action="store_true", help="FlashInfer's flag")
     plan.add_argument("--use-symm-dev-mem", action="store_true", help="legacy entry only")
     plan.add_argument("--facts", choices=["auto", "h200", "driver"], default="auto",
                       help="device facts: the CUDA driver's (driver), H200's measured values "
                       "(h200), or the driver's when it answers and H200's otherwise (auto)")
-    plan.add_argument("--device", type=int, default=0,
+    plan.add_argument("--device", type=_whole(0), default=0,
                       help="CUDA ordinal asked for the driver's facts")
-    plan.add_argument("--granularity", type=int, default=None,
-                      help="allocation granularity in bytes (default: from --facts)")
-    plan.add_argument("--multicast-granularity", type=int, default=None,
-                      help="one multicast granularity in bytes for every object (default: "
-                      "asked per object size, as the shim asks the driver)")
-    plan.add_argument("--signal-pad", type=int, default=None,
+    plan.add_argument("--granularity", type=_power_of_two, default=None,
+                      help="allocation granularity in bytes, a power of two (default: from --facts)")
+    plan.add_argument("--multicast-granularity", type=_power_of_two, default=None,
+                      help="one multicast granularity in bytes for every object, a power of two "
+                      "(default: asked per object size, as the shim asks the driver)")
+    plan.add_argument("--signal-pad", type=_whole(1), default=None,
                       help="torch symmetric memory's signal pad in bytes (default: the "
                       "installed torch's get_signal_pad_size())")
-    plan.add_argument("--handle-type", choices=["posix", "fabric"], default="posix")
-    plan.add_argument("--confidential-compute", action="store_true")
+    plan.add_argument("--handle-type", choices=["posix", "fabric"], default="posix",
+                      help="the allocation's handle type")
+    plan.add_argument("--confidential-compute", action="store_true", help="a CC-mode GPU")
     plan.add_argument("--no-multicast", action="store_true",
                       help="a GPU without multicast (decides backend=auto from 0.6.16)")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON")
 
-    doctor = sub.add_parser("doctor", help="is the shim active in this interpreter, and why "
-                            "(exit 0 active, 1 not)")
-    doctor.add_argument("--json", action="store_true")
+
+def _add_check(sub) -> None:
+    check = _subparser(sub, "check", "does this workspace fit on this GPU now? "
+                       "(exit 0 fits, 1 does not, 2 cannot tell)")
+    shape = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in DEFAULT_SHAPE.items())
+    _add_shape(check, need_rank=True, required_note=" (required unless --default-shape)")
+    check.add_argument("--default-shape", action="store_true",
+                       help=f"use {shape} for the shape arguments not given")
+    check.add_argument("--headroom-mb", type=_whole(0, 1 << 20), default=None,
+                       help="MiB to hold beyond the plan (default: "
+                       "FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB, auto)")
+    check.add_argument("--device", type=_whole(0), default=0, help="CUDA ordinal to probe")
+    check.add_argument("--flashinfer-version", type=_version, default=None,
+                       help="release to plan for (default: the installed FlashInfer)")
+    check.add_argument("--json", action="store_true", help="the report as JSON")
+    # tests and CPU-only demos: a simulated GPU with this many free MiB
+    check.add_argument("--simulate-free-mb", type=_whole(0), default=None, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flashinfer_safe_workspace", epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{demo,plan,check,doctor}")
+    _add_demo(sub)
+    _add_plan(sub)
+    doctor = _subparser(sub, "doctor", "is the shim active in this interpreter, and why "
+                        "(exit 0 active, 1 not)")
+    doctor.add_argument("--json", action="store_true", help="the report as JSON")
     doctor.add_argument("--no-import", action="store_true",
                         help="do not import flashinfer.comm (then nothing shows as wrapped)")
-
-    check = sub.add_parser("check", help="does this workspace fit on this GPU now? "
-                           "(exit 0 fits, 1 does not, 2 cannot tell)")
-    _add_shape(check, need_rank=True)
-    check.add_argument("--headroom-mb", type=int, default=None,
-                       help="default: FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB")
-    check.add_argument("--device", type=int, default=0, help="CUDA ordinal to probe")
-    check.add_argument("--flashinfer-version", default=None,
-                       help="default: the installed FlashInfer")
-    check.add_argument("--json", action="store_true")
-    # tests and CPU-only demos: a simulated GPU with this many free MiB
-    check.add_argument("--simulate-free-mb", type=int, default=None, help=argparse.SUPPRESS)
+    _add_check(sub)
     return parser
 
 
+def _refusal(args) -> str:
+    """Why these arguments, each valid alone, do not go together; '' when they do."""
+    if args.command == "check" and not args.default_shape:
+        missing = [f"--{k.replace('_', '-')}" for k in DEFAULT_SHAPE if getattr(args, k) is None]
+        if missing:
+            return (f"the workspace's shape is needed: {', '.join(missing)} (or --default-shape "
+                    "for world size 2, max tokens 2048, hidden dim 4096)")
+    if args.command == "check":
+        for k, v in DEFAULT_SHAPE.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+    if args.command == "demo" and args.world_size > DEMO_MAX_RANKS:
+        return f"--world-size {args.world_size}: the demo starts at most {DEMO_MAX_RANKS} ranks"
+    ws = getattr(args, "world_size", None)
+    for flag in ("rank", "starve_rank", "die_rank", "slow_rank"):
+        value = getattr(args, flag, None)
+        if value is not None and ws is not None and value >= ws:
+            return (f"--{flag.replace('_', '-')} {value} is not a rank of --world-size {ws} "
+                    f"(ranks 0 to {ws - 1})")
+    return ""
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # invalid values: argparse's message, exit 2
+    why = _refusal(args) if args.command != "_demo-rank" else ""
+    if why:
+        parser.exit(CANNOT_TELL, f"{parser.prog} {args.command}: error: {why}\n")
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: one line, never a traceback
+        print(f"{parser.prog} {args.command}: internal error: {type(exc).__name__}: {exc} "
+              "(please report it)", file=sys.stderr)
+        return CANNOT_TELL
+
+
+def _dispatch(args) -> int:
     if args.command == "demo":
         from . import demo
         return demo.run(args)
@@ -107,10 +234,8 @@ def main(argv=None) -> int:
     if args.command == "doctor":
         from . import doctor
         return doctor.run_doctor(args)
-    if args.command == "check":
-        from . import check
-        return check.run_check(args)
-    return 2
+    from . import check
+    return check.run_check(args)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ def plan_facts(args):
 
 
 def run_plan(args) -> int:
+    """Print the plan; exit 0 when there is one, 2 when there is none (no FlashInfer, no rule
+    for this release, arguments FlashInfer rejects before allocating, no driver facts)."""
     from ..planning import facts as _facts, plan as _plan, probe as _probe, rules
 
     version = args.flashinfer_version or rules.flashinfer_version()
@@ -64,34 +66,43 @@ def run_plan(args) -> int:
         print("no plan: FlashInfer is not installed here; pass --flashinfer-version",
               file=sys.stderr)
         return 2
-    req = _plan.Request(
+    try:
+        verified = not rules.is_unknown(version)
+        facts, pad_source, source = plan_facts(args)
+        result = rules.plan_for(_request(args), facts, version)
+    except (_probe.ProbeUnavailable, _plan.Unplanned) as exc:
+        print(f"no plan: {exc}", file=sys.stderr)
+        return 2
+    if not verified:  # said on stderr so that --json stays one document
+        print(f"warning: FlashInfer {version} is newer than the newest release mirrored "
+              f"({'.'.join(map(str, rules.NEWEST[:3]))}): planned with the newest rules, "
+              "not verified against this release", file=sys.stderr)
+    used = _facts.describe(facts, pad_source=pad_source, source=source)
+    if isinstance(result, _plan.PassThrough):
+        if args.json:
+            print(json.dumps({"flashinfer_version": version, "verified": verified,
+                              "pass_through": result.reason, "facts": used}))
+        else:
+            print(f"no plan: FlashInfer {version} rejects this call before allocating: "
+                  f"{result.reason}")
+        return 2
+    if args.json:
+        print(json.dumps({**result.to_json(), "verified": verified, "facts": used}, indent=2))
+    else:
+        print(result.describe())
+        print("  " + _facts.format_facts(used))
+        if not verified:
+            print(f"  not verified: FlashInfer {version} is newer than the newest release mirrored")
+    return 0
+
+
+def _request(args):
+    from ..planning import plan as _plan
+
+    return _plan.Request(
         entry=args.entry, backend=args.backend if args.entry == "unified" else "trtllm",
         world_size=args.world_size, rank=args.rank, max_token_num=args.max_token_num,
         hidden_dim=args.hidden_dim, dtype=args.dtype,
         force_oneshot_support=args.force_oneshot_support,
         use_fp32_lamport=args.dtype == "float32", use_symm_dev_mem=args.use_symm_dev_mem,
         create_metadata=True)
-    try:
-        facts, pad_source, source = plan_facts(args)
-    except _probe.ProbeUnavailable as exc:
-        print(f"no plan: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = rules.plan_for(req, facts, version)
-    except _plan.Unplanned as exc:
-        print(f"no plan: {exc}", file=sys.stderr)
-        return 2
-    used = _facts.describe(facts, pad_source=pad_source, source=source)
-    if isinstance(result, _plan.PassThrough):
-        if args.json:
-            print(json.dumps({"flashinfer_version": version, "pass_through": result.reason,
-                              "facts": used}))
-        else:
-            print(f"FlashInfer {version} rejects this call before allocating: {result.reason}")
-        return 0
-    if args.json:
-        print(json.dumps({**result.to_json(), "facts": used}, indent=2))
-    else:
-        print(result.describe())
-        print("  " + _facts.format_facts(used))
-    return 0

@@ -18,11 +18,17 @@ SGL_COMM = "sglang/srt/layers/communicator.py"
 APH_FI = "aphrodite/distributed/device_communicators/flashinfer_all_reduce.py"
 APH_PASS = "aphrodite/compilation/passes/fusion/allreduce_rms_fusion.py"
 LMD_FI = "lmdeploy/pytorch/backends/cuda/comm/flashinfer_allreduce.py"
+# the engines' plugin loaders (tests/engines/test_plugins.py runs them)
+VLLM_PLUGINS = "vllm/plugins/__init__.py"
+SGL_PLUGINS = ["sglang/srt/plugins/__init__.py", "sglang/srt/plugins/hook_registry.py",
+               "sglang/srt/environ.py"]
+APH_PLUGINS = "aphrodite/plugins/__init__.py"
 
 # (dist, version) -> wheel members to fetch
 ENGINES = {
     ("vllm", "0.33.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py", "vllm/utils/gpu_sync_debug.py",
-                         "vllm/distributed/device_communicators/all_reduce_utils.py"],
+                         "vllm/distributed/device_communicators/all_reduce_utils.py",
+                         VLLM_PLUGINS],
     ("vllm", "0.26.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.20.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.18.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
@@ -30,9 +36,9 @@ ENGINES = {
     ("vllm", "0.15.0"): [VLLM_015_PASS, "vllm/envs.py"],
     ("aphrodite-engine", "0.24.1"): [
         APH_FI, APH_PASS, "aphrodite/envs.py",
-        "aphrodite/distributed/device_communicators/all_reduce_utils.py"],
+        "aphrodite/distributed/device_communicators/all_reduce_utils.py", APH_PLUGINS],
     ("lmdeploy", "0.18.0"): [LMD_FI],
-    ("sglang", "0.5.23"): [SGL_FI],
+    ("sglang", "0.5.23"): [SGL_FI, *SGL_PLUGINS],
     ("sglang", "0.5.19"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
     ("sglang", "0.5.17"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
     ("sglang", "0.5.14"): [SGL_FI, SGL_LN, SGL_COMM, "sglang/srt/environ.py"],
