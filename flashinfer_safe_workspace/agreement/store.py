@@ -125,7 +125,7 @@ class StoreLine:
                     op.cancelled = True
             raise
         if op.error is not None:
-            raise op.error
+            raise plain(op.error)
         return op.value
 
     def stuck_for(self) -> float:
@@ -171,18 +171,21 @@ def line(vote_timeout_s: float) -> StoreLine:
         return _line
 
 
-_waiter: Optional[StoreLine] = None
+_waiters: dict = {}  # rank-set key -> its waiting line
 
 
-def waiter(vote_timeout_s: float) -> StoreLine:
-    """A second line, only for blocking reads of a register (``get`` waits in the store until
-    the key exists): nobody polls, and the first line stays free for writes."""
-    global _waiter, _op_timeout_s
+def waiter(vote_timeout_s: float, key: str = "") -> StoreLine:
+    """A second line per rank set, only for blocking reads (``wait`` in the store until a
+    key exists): nobody polls, and the first line stays free for writes. Decisions on one
+    rank set are serialised, so a set's waiting line holds at most that decision's read;
+    another set's decision, on another thread, waits on a line of its own."""
+    global _op_timeout_s
     with _line_lock:
         _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
-        if _waiter is None:
-            _waiter = StoreLine(lambda: _open_clone(strict=True))
-        return _waiter
+        found = _waiters.get(key)
+        if found is None:
+            found = _waiters[key] = StoreLine(lambda: _open_clone(strict=True))
+        return found
 
 
 def forget(line_, op) -> None:
@@ -191,10 +194,40 @@ def forget(line_, op) -> None:
 
 
 def _after_fork_in_child():
-    global _line, _line_lock, _waiter
-    _line = _waiter = None
+    global _line, _line_lock, _waiters
+    _line, _waiters = None, {}
     _line_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A store ``wait`` that ran out of time (not a connection that broke)."""
+    try:
+        from torch.distributed import DistNetworkError
+    except ImportError:  # an old torch: only the message tells
+        DistNetworkError = ()  # noqa: N806
+    if DistNetworkError and isinstance(exc, DistNetworkError):
+        return False
+    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+
+
+def short(exc: BaseException) -> str:
+    """An exception's first line: torch's store errors carry a C++ stack trace after it."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def plain(exc: BaseException) -> BaseException:
+    """A store error as StoreUnavailable with its first line only: torch's c10d errors
+    carry a C++ stack trace of some thirty frames, which would reach the host's stderr
+    through our warning. Any other exception is returned as it is."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # an old torch
+        DistError = ()  # noqa: N806
+    if (DistError and isinstance(exc, DistError)) or "Exception raised from" in str(exc):
+        return StoreUnavailable(f"the c10d store failed: {short(exc)}")
+    return exc
