@@ -113,8 +113,21 @@ def _multi_set(s, keys: list, values: list) -> None:
             s.set(key, value)
 
 
-class _Closed(Exception):
-    """The waiting line's blocking read failed for a reason other than its timeout."""
+def _wait_key(s, key: str, until: float) -> bool:
+    """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
+    connection raises (the caller then polls on its first line)."""
+    import datetime
+
+    left = until - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        s.wait([key], datetime.timedelta(seconds=left))
+    except Exception as exc:  # noqa: BLE001 - a timeout reads as False
+        if _store.is_timeout(exc):
+            return False
+        raise
+    return True
 
 
 class StoreRound:
@@ -238,26 +251,28 @@ class StoreRound:
         self._mismatches(record, abort_theirs=True)
 
     def _vote_yes(self, out, record, keys, start) -> None:
-        """Publish and count in (one hand-off); the count that completes the set proposes,
-        every other rank waits for the proposal and acknowledges it."""
+        """Publish and count in, in one hand-off; the count that completes the set also
+        reads every record (one multi_get) and proposes; every other rank waits for the
+        proposal and acknowledges it."""
         names, values = self._publish_ops(record)
-        arrived = self._k("arrived")
+        arrived, size = self._k("arrived"), len(self.ranks)
 
         def publish(s):
             _multi_set(s, names, values)
-            return s.add(arrived, 1)
-        count = self._call(publish)
+            if s.add(arrived, 1) < size:
+                return None
+            return s.multi_get(keys)
+        raws = self._call(publish)
         self.published = True
-        if count >= len(self.ranks):
-            self._propose(out, keys)
+        if raws is not None:
+            self._propose(out, [read_record(v) for v in raws])
         else:
             self._wait(out, record, keys, start)
 
-    def _propose(self, out, keys) -> None:
-        """This rank's record completed the set: read every record (one multi_get); a no,
-        a mismatch or an all-pass decides the register at once, an all-yes is proposed."""
-        out.records = self._records(keys)
-        out.verdict = resolve(out.records)
+    def _propose(self, out, records: list) -> None:
+        """This rank's record completed the set: a no, a mismatch or an all-pass decides
+        the register at once; an all-yes is proposed, and the register awaited."""
+        out.records, out.verdict = records, resolve(records)
         self.complete = True
         late = time.monotonic() >= self.deadline
         if not out.verdict.commit or late:
@@ -265,13 +280,21 @@ class StoreRound:
             why = f"rank {self.rank} reached its deadline" if late else out.verdict.why
             reg = self._write(wanted, why)
         else:
-            ready_key = self._k("ready")
-            held = _text(self._call(lambda s: s.compare_set(ready_key, "", PROPOSE)))
-            reg = self._await_register() if held == PROPOSE else self._read_register()
+            ready_key, reg_key = self._k("ready"), self._k("reg")
+            until = self._store_until()
+
+            def propose(s):
+                if _text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
+                    if not _wait_key(s, reg_key, until):
+                        return None
+                return s.get(reg_key)  # decided first (an abort woke us) or decided now
+            kind, raw = self._await(propose, reg_key, self.deadline)
+            reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
 
     def _wait(self, out, record, keys, start) -> None:
-        """Wait in the store for ``ready``; a missing peer's board is looked at from
+        """Wait in the store for ``ready``, and on a proposal acknowledge it and wait for the
+        register, all on the waiting line; a missing peer's board is looked at from
         BOARD_AFTER_S on, and this rank's deadline ends the wait with an abort."""
         noted: list = []
 
@@ -284,18 +307,22 @@ class StoreRound:
             out.verdict = resolve(out.records)
             return self._write(ABORT, "ranks called with different arguments", mismatch=finished)
 
-        kind, value = self._await(self._k("ready"), self.deadline, tick)
+        kind, value = self._await(self._acknowledging(), self._k("ready"), self.deadline, tick)
         if kind == "tick":
             out.commit, out.register = value.commit, value
-        elif kind == "key" and _text(value) == PROPOSE:
+        elif kind == "poll" and _text(value) == PROPOSE:  # no waiting line: step by step
             self._acknowledge(out)
-        elif kind == "key":
+        elif kind == "poll":
             self._follow(out, record, keys, self._read_register())
+        elif kind == "op" and value is not None:
+            self._follow(out, record, keys, Register.from_json(value))
         else:
             now = time.monotonic()
             reg = self._write(ABORT, f"rank {self.rank} timed out after {now - start:.1f} s "
                               "waiting for the other ranks' records")
             out.commit, out.register = reg.commit, reg
+            if reg.commit:  # acknowledged, and the commit landed just before our abort
+                return
             absent = self._absent(keys)  # for the message only, after the abort is written
             out.absent = tuple(absent)
             out.missing = (f"timed out after {now - start:.1f} s waiting for ranks {absent}"
@@ -304,33 +331,64 @@ class StoreRound:
                 out.records = [record] + noted
                 out.verdict = resolve(out.records)
 
+    def _acknowledging(self):
+        """The waiting line's whole part for a rank that is not the proposer: wait for
+        ``ready``; on ``propose`` acknowledge (the acknowledgement that completes the
+        count, every rank but the proposer, writes commit) and wait for the register; on
+        ``wake`` read it. Returns the register's text, or None when a wait ran out."""
+        ready_key, reg_key, acks_key = self._k("ready"), self._k("reg"), self._k("acks")
+        need, until = len(self.ranks) - 1, self._store_until()
+        commit = Register(COMMIT, self.rank, "every rank voted yes and acknowledged").to_json()
+
+        def steps(s):
+            if not _wait_key(s, ready_key, until):
+                return None
+            if _text(s.get(ready_key)) != PROPOSE:
+                return s.get(reg_key)  # written before any wake-up
+            self.complete = True
+            if s.add(acks_key, 1) >= need:
+                return s.compare_set(reg_key, "", commit)
+            return s.get(reg_key) if _wait_key(s, reg_key, until) else None
+        return steps
+
     def _acknowledge(self, out) -> None:
-        """Every record is in, all yes: say this rank is still here. The acknowledgement
-        that completes the count (every rank but the proposer) writes commit."""
+        """``_acknowledging`` on the first line, for a store without a waiting line."""
         self.complete = True
         acks_key = self._k("acks")
         acks = self._call(lambda s: s.add(acks_key, 1))
         if acks >= len(self.ranks) - 1:
             reg = self._write(COMMIT, "every rank voted yes and acknowledged")
         else:
-            reg = self._await_register()
+            reg_key = self._k("reg")
+            kind, raw = self._await(lambda s: s.get(reg_key) if _wait_key(
+                s, reg_key, self._store_until()) else None, reg_key, self.deadline)
+            reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
 
-    def _await_register(self) -> Register:
-        kind, raw = self._await(self._k("reg"), self.deadline)
-        if kind == "key":
+    def _register_or_abort(self, kind, raw) -> Register:
+        if raw is not None and kind in ("op", "poll"):
             return Register.from_json(raw)
         return self._write(ABORT, f"rank {self.rank} reached its deadline waiting for the "
                            "register")
 
-    def _await(self, key: str, until: float, tick=None) -> tuple:
-        """``("key", value)`` once ``key`` exists, read by a wait in the store itself on this
-        rank set's waiting line; ``("tick", x)`` when ``tick()`` (run from BOARD_AFTER_S
-        on, every BOARD_EVERY_S) returns x; ``(None, None)`` when ``until`` passes first.
-        Without a waiting line (or when its read failed) the key is polled instead."""
+    def _store_until(self) -> float:
+        """Where a wait in the store itself gives up: a little after the caller's own
+        deadline, at which the caller writes the awaited key itself (its abort or the
+        wake-up) and so ends the wait; torch then logs no timed-out socket."""
+        return self.deadline + GRACE_S + 1.0
+
+    def _await(self, steps, poll_key: str, until: float, tick=None) -> tuple:
+        """Run ``steps(store)`` on this rank set's waiting line (it blocks in the store) and
+        wait for it in slices: ``("op", its value)``; ``("tick", x)`` when ``tick()`` (run
+        from BOARD_AFTER_S on, every BOARD_EVERY_S) returns x; ``(None, None)`` when
+        ``until`` passes first. Without a waiting line (or when it failed) ``poll_key`` is
+        polled on the first line instead: ``("poll", its value)``."""
         line = _store.waiter(self.line_timeout, self.mkey)
-        op = self._blocking_read(line, key, until)
+        op = line.submit(steps)
         next_tick = time.monotonic() + BOARD_AFTER_S
+
+        def poll():
+            return self._call(lambda s: s.get(poll_key) if s.check([poll_key]) else None)
         try:
             while True:
                 now = time.monotonic()
@@ -341,44 +399,26 @@ class StoreRound:
                     op.done.wait(max(min(_store.SLICE_S, wake - now), 0))
                     if op.done.is_set():
                         if op.error is None:
-                            return ("key", op.value) if op.value is not None else (None, None)
+                            return "op", op.value
                         op = None  # the waiting line failed: poll on the first line
                 else:
                     time.sleep(max(min(POLL_S, wake - now), 0))
-                    raw = self._call(lambda s: s.get(key) if s.check([key]) else None)
+                    raw = poll()
                     if raw is not None:
-                        return "key", raw
+                        return "poll", raw
                 now = time.monotonic()
                 if now < next_tick:
                     continue
                 next_tick = now + BOARD_EVERY_S
                 if op is not None and not op.started:  # the line is held by another read
-                    raw = self._call(lambda s: s.get(key) if s.check([key]) else None)
+                    raw = poll()
                     if raw is not None:
-                        return "key", raw
+                        return "poll", raw
                 found = tick() if tick is not None else None
                 if found is not None:
                     return "tick", found
         finally:
             _store.forget(line, op)
-
-    def _blocking_read(self, line, key: str, until: float):
-        """A read of ``key`` that waits in the store itself until ``until`` (the op's value
-        is None when the key did not appear in time; its error when the line failed)."""
-        import datetime
-
-        def read(s):
-            left = until - time.monotonic()
-            if left <= 0:
-                return None
-            try:
-                s.wait([key], datetime.timedelta(seconds=left))
-            except Exception as exc:  # noqa: BLE001 - a timeout reads as None
-                if _store.is_timeout(exc):
-                    return None
-                raise _Closed(_store.short(exc)) from None
-            return s.get(key)
-        return line.submit(read)
 
     def _read_register(self) -> Register:
         reg_key = self._k("reg")  # written before any ``wake``: it exists
@@ -505,9 +545,6 @@ class StoreRound:
                 s.compare_set(ready_key, "", WAKE)
             return held
         return Register.from_json(self._call(write))
-
-    def _records(self, keys) -> list:
-        return [read_record(v) for v in self._call(lambda s: s.multi_get(keys))]
 
     def _records_if_all(self, keys) -> list:
         try:

@@ -81,11 +81,16 @@ class StoreLine:
                     op.done.set()
                     continue
                 op.started = True
+            if _gone is not None:  # the store host is gone: never touch a socket again
+                op.error = StoreUnavailable(_gone)
+                op.done.set()
+                continue
             self.busy_since = time.monotonic()
             try:
                 op.value = op.fn(self._store)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc
+                _note_failure(exc)
             finally:
                 self.busy_since = None
                 op.done.set()
@@ -156,6 +161,23 @@ def _open_clone(strict: bool = False):
     return mine
 
 
+_gone: Optional[str] = None  # why the store host is known to be gone (a broken connection)
+
+
+def _note_failure(exc: BaseException) -> None:
+    """A connection that broke (not a timeout) means the store host is gone: later
+    operations fail at once without touching a socket. Torch logs every failed operation
+    of a TCPStore client with a C++ stack trace of some thirty frames on stderr; this keeps
+    it to the first one of this process."""
+    global _gone
+    try:
+        from torch.distributed import DistNetworkError
+    except ImportError:  # an old torch
+        return
+    if isinstance(exc, DistNetworkError) and _gone is None:
+        _gone = f"the c10d store is gone: {short(exc)}"
+
+
 _op_timeout_s = 300.0  # our connection's own timeout; the caller's deadline comes first
 _line: Optional[StoreLine] = None
 _line_lock = threading.Lock()
@@ -194,8 +216,8 @@ def forget(line_, op) -> None:
 
 
 def _after_fork_in_child():
-    global _line, _line_lock, _waiters
-    _line, _waiters = None, {}
+    global _line, _line_lock, _waiters, _gone
+    _line, _waiters, _gone = None, {}, None
     _line_lock = threading.Lock()
 
 
