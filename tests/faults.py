@@ -471,6 +471,7 @@ result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), li
         _free() + """
 import json, subprocess
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+dist.barrier()
 if RANK == 1:
     host = peer_pid(0)
     def stop():

@@ -94,8 +94,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-BOARD_AFTER_S = 0.1  # a round still open this long after this rank counted in looks at boards
-BOARD_EVERY_S = 0.25  # and from then on this often
+BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
+BOARD_EVERY_S = 0.1  # and from then on this often
 POLL_S = 0.005  # only without a waiting line (a store without clone())
 
 
