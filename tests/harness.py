@@ -92,7 +92,7 @@ def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None 
             stdout, stderr = proc.communicate()
         line = next((l for l in stdout.splitlines() if l.startswith(MARK)), None)
         out.append({"rank": rank, "result": json.loads(line[len(MARK):]) if line else None,
-                    "returncode": proc.returncode, "stderr": stderr[-3000:],
+                    "returncode": proc.returncode, "stderr": stderr[-int(os.environ.get("FIWS_STDERR_TAIL", "3000")):],
                     "wall_s": time.monotonic() - start,
                     "internal_errors": strict.sites_in(stderr)})
     for r in out:

@@ -19,36 +19,43 @@ def _load():
     return mod
 
 
-def _cell(first, median, p90, outcome):
-    return {"first_ms": first, "median_ms": median, "p90_ms": p90, "outcomes": [outcome]}
+def _stat(first, median, p90):
+    return {"first_ms": first, "median_ms": median, "p90_ms": p90, "max_ms": p90}
 
 
-RESULTS = [{"world": 2, "pass": _cell(20.0, 2.0, 3.0, "pass"), "veto": _cell(30.0, 1.0, 2.0, "veto")},
-           {"world": 8, "pass": _cell(60.0, 12.0, 15.0, "pass"), "veto": _cell(40.0, 8.0, 9.0, "veto")}]
-OLD = {"results": [{"world": 2, "pass": {"median_ms": 1.0}, "veto": {"median_ms": 0.5}},
-                   {"world": 8, "pass": {"median_ms": 24.0}, "veto": {"median_ms": 16.0}}]}
+def _cell(outcome, decision, floor, gloo):
+    return {"outcomes": [outcome], "decision": _stat(*decision), "floor": _stat(*floor),
+            "gloo": _stat(*gloo), "decision_over_floor_median": decision[1] / floor[1]}
 
 
-def test_table_puts_old_medians_and_ratios_beside_the_new():
-    rows = _load().table(RESULTS, OLD).splitlines()
+RESULTS = [{"world": 2, "pass": _cell("pass", (20.0, 2.0, 3.0), (0.5, 0.25, 0.3), (1.0, 0.5, 0.6)),
+            "veto": _cell("veto", (30.0, 1.0, 2.0), (0.5, 0.25, 0.3), (1.0, 0.5, 0.6))},
+           {"world": 72, "pass": _cell("pass", (60.0, 12.0, 15.0), (5.0, 4.0, 5.0), (12.0, 11.0, 12.0)),
+            "veto": _cell("veto", (40.0, 8.0, 9.0), (5.0, 4.0, 5.0), (12.0, 11.0, 12.0))}]
+
+
+def test_table_puts_the_baselines_and_ratios_beside_the_decision():
+    rows = _load().table(RESULTS).splitlines()
     assert len(rows) == 4
-    assert rows[2].split("|")[1:-1] == [" 2 ", " 20.0 ", " 30.0 ", " 2.0 ", " 3.0 ", " 1.0 ", " 2.00 ",
-                                        " 1.0 ", " 2.0 ", " 0.5 ", " 2.00 ", " pass: pass, veto: veto "]
-    assert " 0.50 " in rows[3] and " 24.0 " in rows[3]
-    assert "| - |" in _load().table(RESULTS, None)
+    assert rows[2].split("|")[1:-1] == [" 2 ", " 0.50 ", " 0.25 ", " 2.00 ", " 3.00 ", " 8.0x ", " 4.0x ",
+                                        " 2.5 ms: met ", " 20.00 ", " 1.00 ", " 30.00 ",
+                                        " pass: pass, veto: veto "]
+    assert " 10.0 ms: NOT met " in rows[3] and " 3.0x " in rows[3]
 
 
 def test_verdict_names_the_goals_that_are_missed():
     text = _load().verdict(RESULTS)
-    assert "warm at 8 ranks" in text and "12.0 ms" in text and "NOT met on the median" in text
-    assert "first call at 2 ranks (goal <= 50 ms): 30.0 ms (worse of pass/veto): met" in text
-    assert "first call at 8 ranks (goal <= 50 ms): 60.0 ms (worse of pass/veto): NOT met" in text
+    assert "warm at 2 ranks (goal <= 2 x floor + 2 ms = 2.5 ms): median 2.0 ms: met" in text
+    assert "warm at 72 ranks (goal <= 2 x floor + 2 ms = 10.0 ms): median 12.0 ms: NOT met" in text
+    assert "first decision at 72 ranks (goal <= 50 ms): 60.0 ms (worse of the scenarios): NOT met" in text
 
 
 def test_png_is_well_formed(tmp_path):
     mod = _load()
     path = tmp_path / "v.png"
-    mod.plot(path, [2, 8], mod.series_for(RESULTS, OLD))
+    series = mod.series_for(RESULTS)
+    assert series["goal: 2 x floor + 2 ms"] == [2.5, 10.0]
+    mod.plot(path, [2, 72], series)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     (n,), kind = struct.unpack(">I", data[8:12]), data[12:16]
@@ -57,4 +64,5 @@ def test_png_is_well_formed(tmp_path):
     (m,) = struct.unpack(">I", data[33:37])
     raw = zlib.decompress(data[41:41 + m])
     assert len(raw) == h * (1 + 3 * w)
-    assert raw.count(bytes((214, 39, 40))) > 10  # the new veto series is drawn
+    assert raw.count(bytes((214, 39, 40))) > 10  # the veto series is drawn
+    assert raw.count(bytes((127, 127, 127))) > 10  # the store floor is drawn

@@ -10,3 +10,10 @@ import faults
 def test_fault(scenario):
     runs = faults.run(scenario)
     scenario.verify(runs)
+
+
+@pytest.mark.parametrize("scenario", faults.scale_scenarios(faults.SCALE_CI),
+                         ids=[s.name for s in faults.scale_scenarios(faults.SCALE_CI)])
+def test_fault_at_scale(scenario):
+    runs = faults.run(scenario)
+    scenario.verify(runs)

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Optional, Union
 
-WIRE = 2  # bump on any change of the fields below
+WIRE = 3  # bump on any change of the fields below or of the values a round writes
 
 from .._reasons import OK, REASON_TEXT
 
@@ -21,6 +21,9 @@ from .._reasons import OK, REASON_TEXT
 YES, NO, PASS_STATE = "ok", "no", "pass"
 # register outcomes
 COMMIT, ABORT, PASS = "commit", "abort", "pass"
+# a round's ``ready`` key (written once): every record is in and all say yes, so each
+# waiting rank is asked to acknowledge (PROPOSE); or the register is decided already (WAKE)
+PROPOSE, WAKE = f"propose/{WIRE}", f"wake/{WIRE}"
 
 
 class Unreadable(ValueError):

@@ -1,8 +1,20 @@
-"""One decision's round in the c10d store: records, the board, and the register.
+"""One decision's round in the c10d store: records, the proposal, acknowledgements, the
+register, and the board.
 
 See ``vote`` for the agreement itself (what a record says, how the register decides, why
 keys cannot drift). This module is its transport over the store: which keys, when each
 rank writes them, how long it waits, and who cleans up.
+
+A round on the healthy path costs every rank a constant number of store operations,
+whatever the group's size: publish (record and board in one ``multi_set``) and count in
+(``add``); the rank whose count completes the set reads every record with one
+``multi_get`` and, when all say yes, writes ``ready = propose``; every other rank, blocked
+in the store on ``ready``, acknowledges with one ``add``; the acknowledgement that
+completes the count writes ``commit`` to the register, and the others, blocked on the
+register, read it. A yes therefore counts only from a rank that was still alive after
+every record was in: a rank that dies before acknowledging leaves the register to the
+deadline's abort. Boards are read only on the slow path (a round still open after
+``BOARD_AFTER_S``), with one ``multi_get``.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ import time
 from typing import Optional
 
 from . import explain as _explain, store as _store
-from .record import ABORT, COMMIT, PASS, Board, Record, Register, read_record
+from .record import ABORT, COMMIT, PASS, PROPOSE, WAKE, Board, Record, Register, read_record
 from .vote import GRACE_S, REJOIN_S, Outcome, members_key, resolve
 
 
@@ -29,6 +41,7 @@ class Book:
         self._gens: dict = {}  # members key -> this rank's board generation
         self._seen: dict = {}  # members key -> {peer rank: board generation seen}
         self._set_locks: dict = {}  # members key -> lock serialising decisions on that set
+        self._boards: dict = {}  # members key -> ranks whose board entry exists (never deleted)
 
     def set_lock(self, key: str) -> threading.Lock:
         with self._lock:
@@ -50,6 +63,14 @@ class Book:
     def seen(self, mkey: str) -> dict:
         with self._lock:
             return dict(self._seen.get(mkey, {}))
+
+    def boards_known(self, mkey: str) -> set:
+        with self._lock:
+            return set(self._boards.get(mkey, ()))
+
+    def note_boards(self, mkey: str, ranks) -> None:
+        with self._lock:
+            self._boards.setdefault(mkey, set()).update(ranks)
 
     def mark_seen(self, mkey: str, rank: int, gen: int) -> None:
         with self._lock:
@@ -73,15 +94,53 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
+BOARD_EVERY_S = 0.1  # and from then on this often
+POLL_S = 0.005  # only without a waiting line (a store without clone())
+
+
+def _text(raw) -> str:
+    if isinstance(raw, (bytes, bytearray)):
+        return bytes(raw).decode(errors="replace")
+    return "" if raw is None else str(raw)
+
+
+def _multi_set(s, keys: list, values: list) -> None:
+    if hasattr(s, "multi_set"):
+        s.multi_set(keys, values)
+    else:
+        for key, value in zip(keys, values):
+            s.set(key, value)
+
+
+def _wait_key(s, key: str, until: float) -> bool:
+    """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
+    connection raises (the caller then polls on its first line)."""
+    import datetime
+
+    left = until - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        s.wait([key], datetime.timedelta(seconds=left))
+    except Exception as exc:  # noqa: BLE001 - a timeout reads as False
+        if _store.is_timeout(exc):
+            return False
+        raise
+    return True
+
+
 class StoreRound:
     """One decision over the ranks ``ranks`` (global ranks), through the c10d store.
 
-    Keys: ``fiws/<ranks>/<identity>/<c>/rec/<rank>``, ``…/reg`` (the register) and
-    ``…/done``, where ``c`` counts this rank's rounds of that call on that rank set; and one
-    board entry per rank, ``fiws/<ranks>/board/<rank>``: ``{g: generation, k: round, s:
-    wait|no|done, a: arguments}``. A rank waiting for a peer whose board shows a newer
-    generation at another round knows the peer is making a different call right now (a
-    mismatch): it aborts both rounds at once and names both values.
+    Keys: ``fiws/<ranks>/<identity>/<c>/`` + ``rec/<rank>`` (the records), ``arrived`` (the
+    count of yes records), ``ready`` (``propose`` or ``wake``, written once), ``acks`` (the
+    count of acknowledgements), ``reg`` (the register) and ``done``, where ``c`` counts
+    this rank's rounds of that call on that rank set; and one board entry per rank,
+    ``fiws/<ranks>/board/<rank>``: ``{g: generation, k: round, s: wait|no|done, a:
+    arguments}``. A rank waiting for a peer whose board shows a newer generation at another
+    round knows the peer is making a different call right now (a mismatch): it aborts both
+    rounds at once and names both values.
     """
 
     def __init__(self, line: "_store.StoreLine", ranks: tuple, me: int, ident: str,
@@ -93,7 +152,9 @@ class StoreRound:
         self.c: Optional[int] = None
         self.finished = False
         self.published = False
+        self.complete = False  # every record was in and said yes: no board needs a look
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
+        self._entry: Optional[Board] = None  # this rank's board entry for this round
         self._aborted: dict = {}  # peer -> board generation of its round we aborted
         self._done_at: dict = {}  # peer -> when we saw it finish that round
 
@@ -145,43 +206,223 @@ class StoreRound:
     def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
         keys = self._rec_keys()
-        mine, reg_key = self._k("rec", self.rank), self._k("reg")
         own_yes = record.is_yes()
-        gen = BOOK.new_generation(self.mkey)
-        board = Board(gen, self.round_name, "wait" if own_yes else "no", self.args).to_json()
-        payload = record.to_json()
-        board_key = self._board(self.rank)
+        self._entry = Board(BOOK.new_generation(self.mkey), self.round_name,
+                            "wait" if own_yes else "no", self.args)
         out = Outcome(False, key=self._k())
-        if own_yes:
-            self._call(lambda s: (s.set(board_key, board), s.set(mine, payload)))
-            self.published = True
-        else:  # a no needs nobody else: the abort first, then the record
-            why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
-                   or f"rank {self.rank} said no: {record.no_text()}")
-            value = Register(ABORT, self.rank, why).to_json()
-            raw = self._call(lambda s: (s.compare_set(reg_key, "", value),
-                                        s.set(board_key, board), s.set(mine, payload))[0])
-            self.published = True
-            reg = Register.from_json(raw)
-            out.commit, out.register = reg.commit, reg
-            out.records = self._records_if_all(keys) or [record]
-            out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
-            self._mismatches(record, abort_theirs=True)
-            self._finish()
-            out.elapsed_s = time.monotonic() - start
-            return out
-        try:
-            self._wait(out, record, keys, reg_key, start)
-        except _store.StoreTimeout:
-            # the deadline passed inside a store operation (this rank was stopped, or the
-            # store was slow): one last bounded try, so that a commit is never missed
-            reg = self._final(f"rank {self.rank} reached its deadline")
-            if reg is None:
-                raise
-            out.commit, out.register = reg.commit, reg
+        if not own_yes:
+            self._vote_no(out, record, keys)
+        else:
+            try:
+                self._vote_yes(out, record, keys, start)
+            except _store.StoreTimeout:
+                # the deadline passed inside a store operation (this rank was stopped, or
+                # the store was slow): one last bounded try, so that a commit is never missed
+                reg = self._final(f"rank {self.rank} reached its deadline")
+                if reg is None:
+                    raise
+                out.commit, out.register = reg.commit, reg
         self._finish()
         out.elapsed_s = time.monotonic() - start
         return out
+
+    def _publish_ops(self, record: Record):
+        return [self._board(self.rank), self._k("rec", self.rank)], [
+            self._entry.to_json(), record.to_json()]
+
+    def _vote_no(self, out, record, keys) -> None:
+        """A no needs nobody else: the abort first, then the wake-up, then the record."""
+        why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
+               or f"rank {self.rank} said no: {record.no_text()}")
+        value = Register(ABORT, self.rank, why).to_json()
+        reg_key, ready_key = self._k("reg"), self._k("ready")
+        names, values = self._publish_ops(record)
+
+        def no(s):
+            held = s.compare_set(reg_key, "", value)
+            s.compare_set(ready_key, "", WAKE)
+            _multi_set(s, names, values)
+            return held
+        reg = Register.from_json(self._call(no))
+        self.published = True
+        out.commit, out.register = reg.commit, reg
+        out.records = self._records_if_all(keys) or [record]
+        out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
+        self._mismatches(record, abort_theirs=True)
+
+    def _vote_yes(self, out, record, keys, start) -> None:
+        """Publish and count in, in one hand-off; the count that completes the set also
+        reads every record (one multi_get) and proposes; every other rank waits for the
+        proposal and acknowledges it."""
+        names, values = self._publish_ops(record)
+        arrived, size = self._k("arrived"), len(self.ranks)
+
+        def publish(s):
+            _multi_set(s, names, values)
+            if s.add(arrived, 1) < size:
+                return None
+            return s.multi_get(keys)
+        raws = self._call(publish)
+        self.published = True
+        if raws is not None:
+            self._propose(out, [read_record(v) for v in raws])
+        else:
+            self._wait(out, record, keys, start)
+
+    def _propose(self, out, records: list) -> None:
+        """This rank's record completed the set: a no, a mismatch or an all-pass decides
+        the register at once; an all-yes is proposed, and the register awaited."""
+        out.records, out.verdict = records, resolve(records)
+        self.complete = True
+        late = time.monotonic() >= self.deadline
+        if not out.verdict.commit or late:
+            wanted = PASS if out.verdict.all_pass and not late else ABORT
+            why = f"rank {self.rank} reached its deadline" if late else out.verdict.why
+            reg = self._write(wanted, why)
+        else:
+            ready_key, reg_key = self._k("ready"), self._k("reg")
+            until = self._store_until()
+
+            def propose(s):
+                if _text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
+                    if not _wait_key(s, reg_key, until):
+                        return None
+                return s.get(reg_key)  # decided first (an abort woke us) or decided now
+            kind, raw = self._await(propose, reg_key, self.deadline)
+            reg = self._register_or_abort(kind, raw)
+        out.commit, out.register = reg.commit, reg
+
+    def _wait(self, out, record, keys, start) -> None:
+        """Wait in the store for ``ready``, and on a proposal acknowledge it and wait for the
+        register, all on the waiting line; a missing peer's board is looked at from
+        BOARD_AFTER_S on, and this rank's deadline ends the wait with an abort."""
+        noted: list = []
+
+        def tick():
+            waiting, finished = self._mismatches(record, abort_theirs=True)
+            noted.extend(w for w in waiting if w.rank not in {n.rank for n in noted})
+            if not finished:  # it decided another call without us: a mismatch
+                return None
+            out.records = [record] + finished
+            out.verdict = resolve(out.records)
+            return self._write(ABORT, "ranks called with different arguments", mismatch=finished)
+
+        kind, value = self._await(self._acknowledging(), self._k("ready"), self.deadline, tick)
+        if kind == "tick":
+            out.commit, out.register = value.commit, value
+        elif kind == "poll" and _text(value) == PROPOSE:  # no waiting line: step by step
+            self._acknowledge(out)
+        elif kind == "poll":
+            self._follow(out, record, keys, self._read_register())
+        elif kind == "op" and value is not None:
+            self._follow(out, record, keys, Register.from_json(value))
+        else:
+            now = time.monotonic()
+            reg = self._write(ABORT, f"rank {self.rank} timed out after {now - start:.1f} s "
+                              "waiting for the other ranks' records")
+            out.commit, out.register = reg.commit, reg
+            if reg.commit:  # acknowledged, and the commit landed just before our abort
+                return
+            absent = self._absent(keys)  # for the message only, after the abort is written
+            out.absent = tuple(absent)
+            out.missing = (f"timed out after {now - start:.1f} s waiting for ranks {absent}"
+                           if absent else "timed out")
+            if noted:  # the peers we saw making another call, for the message
+                out.records = [record] + noted
+                out.verdict = resolve(out.records)
+
+    def _acknowledging(self):
+        """The waiting line's whole part for a rank that is not the proposer: wait for
+        ``ready``; on ``propose`` acknowledge (the acknowledgement that completes the
+        count, every rank but the proposer, writes commit) and wait for the register; on
+        ``wake`` read it. Returns the register's text, or None when a wait ran out."""
+        ready_key, reg_key, acks_key = self._k("ready"), self._k("reg"), self._k("acks")
+        need, until = len(self.ranks) - 1, self._store_until()
+        commit = Register(COMMIT, self.rank, "every rank voted yes and acknowledged").to_json()
+
+        def steps(s):
+            if not _wait_key(s, ready_key, until):
+                return None
+            if _text(s.get(ready_key)) != PROPOSE:
+                return s.get(reg_key)  # written before any wake-up
+            self.complete = True
+            if s.add(acks_key, 1) >= need:
+                return s.compare_set(reg_key, "", commit)
+            return s.get(reg_key) if _wait_key(s, reg_key, until) else None
+        return steps
+
+    def _acknowledge(self, out) -> None:
+        """``_acknowledging`` on the first line, for a store without a waiting line."""
+        self.complete = True
+        acks_key = self._k("acks")
+        acks = self._call(lambda s: s.add(acks_key, 1))
+        if acks >= len(self.ranks) - 1:
+            reg = self._write(COMMIT, "every rank voted yes and acknowledged")
+        else:
+            reg_key = self._k("reg")
+            kind, raw = self._await(lambda s: s.get(reg_key) if _wait_key(
+                s, reg_key, self._store_until()) else None, reg_key, self.deadline)
+            reg = self._register_or_abort(kind, raw)
+        out.commit, out.register = reg.commit, reg
+
+    def _register_or_abort(self, kind, raw) -> Register:
+        if raw is not None and kind in ("op", "poll"):
+            return Register.from_json(raw)
+        return self._write(ABORT, f"rank {self.rank} reached its deadline waiting for the "
+                           "register")
+
+    def _store_until(self) -> float:
+        """Where a wait in the store itself gives up: a little after the caller's own
+        deadline, at which the caller writes the awaited key itself (its abort or the
+        wake-up) and so ends the wait; torch then logs no timed-out socket."""
+        return self.deadline + GRACE_S + 1.0
+
+    def _await(self, steps, poll_key: str, until: float, tick=None) -> tuple:
+        """Run ``steps(store)`` on this rank set's waiting line (it blocks in the store) and
+        wait for it in slices: ``("op", its value)``; ``("tick", x)`` when ``tick()`` (run
+        from BOARD_AFTER_S on, every BOARD_EVERY_S) returns x; ``(None, None)`` when
+        ``until`` passes first. Without a waiting line (or when it failed) ``poll_key`` is
+        polled on the first line instead: ``("poll", its value)``."""
+        line = _store.waiter(self.line_timeout, self.mkey)
+        op = line.submit(steps)
+        next_tick = time.monotonic() + BOARD_AFTER_S
+
+        def poll():
+            return self._call(lambda s: s.get(poll_key) if s.check([poll_key]) else None)
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= until:
+                    return None, None
+                wake = min(until, next_tick) if tick is not None else until
+                if op is not None:
+                    op.done.wait(max(min(_store.SLICE_S, wake - now), 0))
+                    if op.done.is_set():
+                        if op.error is None:
+                            return "op", op.value
+                        op = None  # the waiting line failed: poll on the first line
+                else:
+                    time.sleep(max(min(POLL_S, wake - now), 0))
+                    raw = poll()
+                    if raw is not None:
+                        return "poll", raw
+                now = time.monotonic()
+                if now < next_tick:
+                    continue
+                next_tick = now + BOARD_EVERY_S
+                if op is not None and not op.started:  # the line is held by another read
+                    raw = poll()
+                    if raw is not None:
+                        return "poll", raw
+                found = tick() if tick is not None else None
+                if found is not None:
+                    return "tick", found
+        finally:
+            _store.forget(line, op)
+
+    def _read_register(self) -> Register:
+        reg_key = self._k("reg")  # written before any ``wake``: it exists
+        return Register.from_json(self._call(lambda s: s.get(reg_key)))
 
     def _final(self, why: str) -> Optional[Register]:
         reg_key = self._k("reg")
@@ -192,94 +433,6 @@ class StoreRound:
         except _store.StoreTimeout:
             return None
         return Register.from_json(raw)
-
-    def _wait(self, out, record, keys, reg_key, start) -> None:
-        """Wait for the register. The rank whose record completes the set (an atomic count)
-        decides for everyone; the others block on the register in the store itself, over a
-        second connection, so nobody polls; a missing peer's board is looked at now and
-        then, and this rank's deadline ends the wait with an abort."""
-        arrived = self._k("arrived")
-        if self._call(lambda s: s.add(arrived, 1)) >= len(self.ranks):
-            self._decide_all(out, keys)
-            return
-        line = _store.waiter(self.line_timeout)
-        op = self._blocking_read(line, reg_key)
-        try:
-            noted, board_at = [], time.monotonic() + 0.002
-            while True:
-                now = time.monotonic()
-                if op is not None:
-                    op.done.wait(max(min(_store.SLICE_S, board_at - now, self.deadline - now), 0))
-                    if op.done.is_set():
-                        if op.error is None and op.value is not None:
-                            self._follow(out, record, keys, Register.from_json(op.value))
-                            return
-                        op = None  # no waiting line, or its read timed out: poll here
-                else:
-                    time.sleep(max(min(0.005, board_at - now, self.deadline - now), 0))
-                now = time.monotonic()
-                if op is None or now >= board_at:
-                    # the register (the waiting line may be busy with another thread's round)
-                    # and the records (a decider that stopped after its count)
-                    all_in, raw = self._call(lambda s: (
-                        s.check(keys), s.get(reg_key) if s.check([reg_key]) else None))
-                    if raw is not None:
-                        self._follow(out, record, keys, Register.from_json(raw))
-                        return
-                    if all_in:
-                        self._decide_all(out, keys)
-                        return
-                if now >= board_at:  # is a missing peer making another call right now?
-                    board_at = now + 0.05
-                    waiting, finished = self._mismatches(record, abort_theirs=True)
-                    noted = noted or waiting
-                    if finished:  # it decided another call without us: a mismatch
-                        out.records = [record] + finished
-                        out.verdict = resolve(out.records)
-                        reg = self._write(ABORT, "ranks called with different arguments",
-                                          mismatch=finished)
-                        out.commit, out.register = reg.commit, reg
-                        return
-                if now >= self.deadline:
-                    absent = self._absent(keys)
-                    out.absent = tuple(absent)
-                    out.missing = (f"timed out after {now - start:.1f} s waiting for ranks "
-                                   f"{absent}" if absent else "timed out")
-                    reg = self._write(ABORT, out.missing)
-                    out.commit, out.register = reg.commit, reg
-                    if noted:  # the peers we saw making another call, for the message
-                        out.records = [record] + noted
-                        out.verdict = resolve(out.records)
-                    return
-        finally:
-            _store.forget(line, op)
-
-    def _blocking_read(self, line, reg_key):
-        """A read of the register that waits in the store itself, bounded by this round's
-        deadline (the op returns None when the key did not appear in time)."""
-        import datetime
-
-        until = self.deadline + GRACE_S
-
-        def read(s):
-            left = until - time.monotonic()
-            if left <= 0:
-                return None
-            try:
-                s.wait([reg_key], datetime.timedelta(seconds=left))
-            except Exception:  # noqa: BLE001 - timed out: the caller decides
-                return None
-            return s.get(reg_key)
-        return line.submit(read)
-
-    def _decide_all(self, out, keys) -> None:
-        out.records = self._records(keys)
-        out.verdict = resolve(out.records)
-        wanted = COMMIT if out.verdict.commit else (PASS if out.verdict.all_pass else ABORT)
-        if wanted != ABORT and time.monotonic() >= self.deadline:
-            wanted = ABORT
-        reg = self._write(wanted, out.verdict.why)
-        out.commit, out.register = reg.commit, reg
 
     def _follow(self, out, record, keys, reg: Register) -> None:
         out.commit, out.register = reg.commit, reg
@@ -293,6 +446,22 @@ class StoreRound:
         if records:
             out.records, out.verdict = records, resolve(records)
 
+    def _read_boards(self, peers: list, until: float) -> tuple:
+        """``(seen, {peer: Board or None})``: the generations seen before the read, and the
+        peers' board entries in one ``multi_get`` (entries known to exist; an unknown one
+        is checked on its own until it appears: entries are never deleted)."""
+        known, mkey, board = BOOK.boards_known(self.mkey), self.mkey, self._board
+
+        def read(s):
+            seen = BOOK.seen(mkey)
+            found = [r for r in peers if r not in known and s.check([board(r)])]
+            have = [r for r in peers if r in known or r in found]
+            return seen, found, dict(zip(have, s.multi_get([board(r) for r in have])
+                                         if have else []))
+        seen, found, raw = self.line.call(read, until)
+        BOOK.note_boards(self.mkey, found)
+        return seen, {r: (Board.from_json(raw[r]) if r in raw else None) for r in peers}
+
     def _mismatches(self, record, abort_theirs: bool) -> tuple:
         """Peers whose board shows a call newer than the last one we saw, at another round:
         ``(waiting, finished)`` pseudo-records (rank and arguments) for the message.
@@ -303,18 +472,14 @@ class StoreRound:
         veto cache or took a pass-through). A peer that *finished* another call without us
         (said no, or was decided) will not come: the caller aborts its own round."""
         peers = [r for r in self.ranks if r != self.rank]
-        keys = [self._board(r) for r in peers]
-
-        def read(s):
-            known = BOOK.seen(self.mkey)
-            return known, [(Board.from_json(s.get(k)) if s.check([k]) else None) for k in keys]
-        try:
-            seen, boards = self._call(read)
+        try:  # bounded by the deadline itself: the waiting loop must be back by then
+            seen, boards = self._read_boards(peers, self.deadline)
         except Exception:  # noqa: BLE001 - only an early exit; the deadline still holds
             return [], []
         waiting, finished = [], []
         now = time.monotonic()
-        for rank, b in zip(peers, boards):
+        for rank in peers:
+            b = boards[rank]
             verdict = self._judge(rank, b, seen, now)
             if verdict is None:
                 continue
@@ -354,23 +519,32 @@ class StoreRound:
     def _abort_theirs(self, rank: int, b: Board) -> None:
         """Abort a peer's round of another call (it learns at once, with both values)."""
         call, _, c = b.round.rpartition("/")
-        their = "/".join(["fiws", self.mkey, call, c, "reg"])
+        their = "/".join(["fiws", self.mkey, call, c])
         note = Register(ABORT, self.rank, "ranks called with different arguments",
                         mismatch=(Record.stand_in(self.rank, self.ident, self.args),)).to_json()
+
+        def abort(s):
+            s.compare_set(their + "/reg", "", note)
+            s.compare_set(their + "/ready", "", WAKE)
         try:
-            self._call(lambda s: s.compare_set(their, "", note))
+            self._call(abort)
         except Exception:  # noqa: BLE001 - only an early exit; its deadline still holds
             pass
         BOOK.mark_seen(self.mkey, rank, b.generation)
         self._aborted[rank] = b.generation
 
     def _write(self, outcome: str, why: str, mismatch=()) -> Register:
-        reg_key = self._k("reg")
+        """``compare_set`` on the register (the first write wins; what it holds is returned);
+        any outcome but commit also wakes the ranks still waiting for the records."""
+        reg_key, ready_key = self._k("reg"), self._k("ready")
         text = Register(outcome, self.rank, why, tuple(mismatch)).to_json()
-        return Register.from_json(self._call(lambda s: s.compare_set(reg_key, "", text)))
 
-    def _records(self, keys) -> list:
-        return [read_record(v) for v in self._call(lambda s: s.multi_get(keys))]
+        def write(s):
+            held = s.compare_set(reg_key, "", text)
+            if outcome != COMMIT:
+                s.compare_set(ready_key, "", WAKE)
+            return held
+        return Register.from_json(self._call(write))
 
     def _records_if_all(self, keys) -> list:
         try:
@@ -387,26 +561,30 @@ class StoreRound:
         return [r for r, here in zip(self.ranks, present) if not here]
 
     def _finish(self) -> None:
-        """Count this rank out of the round (the last one removes the round's keys), mark
-        its board entry done, and note every peer's board generation as seen. Queued on
-        the store line without waiting: it runs before this rank's next operation."""
+        """Count this rank out of the round (the last one removes the round's keys). A round
+        that did not complete also marks this rank's board entry done and notes every
+        peer's board generation as seen. Queued on the store line without waiting: it runs
+        before this rank's next operation."""
         if self.finished:
             return
         self.finished = True
         done_key, size, mkey = self._k("done"), len(self.ranks), self.mkey
-        keys = self._rec_keys() + [self._k("reg"), self._k("arrived"), done_key]
-        boards = [(r, self._board(r)) for r in self.ranks]
-        me, published = self.rank, self.published
+        keys = self._rec_keys() + [self._k(k) for k in ("reg", "arrived", "ready", "acks")]
+        keys.append(done_key)
+        entry = self._entry if (self.published and not self.complete) else None
+        board_key = self._board(self.rank)
+        peers = [] if self.complete else [r for r in self.ranks if r != self.rank]
+        known, board = BOOK.boards_known(mkey), self._board
 
         def wrap_up(s):
-            if published:
-                raw = s.get(self._board(me)) if s.check([self._board(me)]) else None
-                mine = Board.from_json(raw) if raw is not None else None
-                if mine is not None and mine.round == self.round_name:
-                    s.set(self._board(me), dataclasses.replace(mine, state="done").to_json())
-            for rank, key in boards:
-                if rank != me and s.check([key]):
-                    peer = Board.from_json(s.get(key))
+            if entry is not None:
+                s.set(board_key, dataclasses.replace(entry, state="done").to_json())
+            if peers:
+                found = [r for r in peers if r not in known and s.check([board(r)])]
+                have = [r for r in peers if r in known or r in found]
+                BOOK.note_boards(mkey, found)
+                for rank, raw in zip(have, s.multi_get([board(r) for r in have]) if have else []):
+                    peer = Board.from_json(raw)
                     if peer is not None:
                         BOOK.mark_seen(mkey, rank, peer.generation)
             if s.add(done_key, 1) >= size:
@@ -421,8 +599,12 @@ class StoreRound:
         """Interrupted or failed mid-round: write abort (bounded, without waiting long)."""
         if self.c is None or self.finished:
             return
-        reg_key = self._k("reg")
+        reg_key, ready_key = self._k("reg"), self._k("ready")
         value = Register(ABORT, self.rank, why).to_json()
-        self.line.submit(lambda s: s.compare_set(reg_key, "", value)).done.wait(0.2)
+
+        def abort(s):
+            s.compare_set(reg_key, "", value)
+            s.compare_set(ready_key, "", WAKE)
+        self.line.submit(abort).done.wait(0.2)
         self._consume()
         self._finish()

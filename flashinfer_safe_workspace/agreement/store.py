@@ -81,11 +81,16 @@ class StoreLine:
                     op.done.set()
                     continue
                 op.started = True
+            if _gone is not None:  # the store host is gone: never touch a socket again
+                op.error = StoreUnavailable(_gone)
+                op.done.set()
+                continue
             self.busy_since = time.monotonic()
             try:
                 op.value = op.fn(self._store)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc
+                _note_failure(exc)
             finally:
                 self.busy_since = None
                 op.done.set()
@@ -125,7 +130,7 @@ class StoreLine:
                     op.cancelled = True
             raise
         if op.error is not None:
-            raise op.error
+            raise plain(op.error)
         return op.value
 
     def stuck_for(self) -> float:
@@ -156,6 +161,23 @@ def _open_clone(strict: bool = False):
     return mine
 
 
+_gone: Optional[str] = None  # why the store host is known to be gone (a broken connection)
+
+
+def _note_failure(exc: BaseException) -> None:
+    """A connection that broke (not a timeout) means the store host is gone: later
+    operations fail at once without touching a socket. Torch logs every failed operation
+    of a TCPStore client with a C++ stack trace of some thirty frames on stderr; this keeps
+    it to the first one of this process."""
+    global _gone
+    try:
+        from torch.distributed import DistNetworkError
+    except ImportError:  # an old torch
+        return
+    if isinstance(exc, DistNetworkError) and _gone is None:
+        _gone = f"the c10d store is gone: {short(exc)}"
+
+
 _op_timeout_s = 300.0  # our connection's own timeout; the caller's deadline comes first
 _line: Optional[StoreLine] = None
 _line_lock = threading.Lock()
@@ -171,18 +193,21 @@ def line(vote_timeout_s: float) -> StoreLine:
         return _line
 
 
-_waiter: Optional[StoreLine] = None
+_waiters: dict = {}  # rank-set key -> its waiting line
 
 
-def waiter(vote_timeout_s: float) -> StoreLine:
-    """A second line, only for blocking reads of a register (``get`` waits in the store until
-    the key exists): nobody polls, and the first line stays free for writes."""
-    global _waiter, _op_timeout_s
+def waiter(vote_timeout_s: float, key: str = "") -> StoreLine:
+    """A second line per rank set, only for blocking reads (``wait`` in the store until a
+    key exists): nobody polls, and the first line stays free for writes. Decisions on one
+    rank set are serialised, so a set's waiting line holds at most that decision's read;
+    another set's decision, on another thread, waits on a line of its own."""
+    global _op_timeout_s
     with _line_lock:
         _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
-        if _waiter is None:
-            _waiter = StoreLine(lambda: _open_clone(strict=True))
-        return _waiter
+        found = _waiters.get(key)
+        if found is None:
+            found = _waiters[key] = StoreLine(lambda: _open_clone(strict=True))
+        return found
 
 
 def forget(line_, op) -> None:
@@ -191,10 +216,40 @@ def forget(line_, op) -> None:
 
 
 def _after_fork_in_child():
-    global _line, _line_lock, _waiter
-    _line = _waiter = None
+    global _line, _line_lock, _waiters, _gone
+    _line, _waiters, _gone = None, {}, None
     _line_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A store ``wait`` that ran out of time (not a connection that broke)."""
+    try:
+        from torch.distributed import DistNetworkError
+    except ImportError:  # an old torch: only the message tells
+        DistNetworkError = ()  # noqa: N806
+    if DistNetworkError and isinstance(exc, DistNetworkError):
+        return False
+    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+
+
+def short(exc: BaseException) -> str:
+    """An exception's first line: torch's store errors carry a C++ stack trace after it."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def plain(exc: BaseException) -> BaseException:
+    """A store error as StoreUnavailable with its first line only: torch's c10d errors
+    carry a C++ stack trace of some thirty frames, which would reach the host's stderr
+    through our warning. Any other exception is returned as it is."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # an old torch
+        DistError = ()  # noqa: N806
+    if (DistError and isinstance(exc, DistError)) or "Exception raised from" in str(exc):
+        return StoreUnavailable(f"the c10d store failed: {short(exc)}")
+    return exc

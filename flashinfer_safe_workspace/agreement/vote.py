@@ -7,9 +7,13 @@ having made the same call with the same plan. Ranks learn it through one registe
 decision in the c10d store, written with ``compare_set`` so that the first write wins
 for everyone:
 
-* a rank that saw every record, all yes and the same plan, writes ``commit``;
+* the rank whose record completes the set reads every record; all yes with the same
+  plan, it proposes, every other rank acknowledges, and the acknowledgement that completes
+  the count writes ``commit`` (so a yes counts only from a rank still alive once every
+  record was in: a rank that died after its yes never acknowledges);
 * a rank that said no, saw a no or a mismatch, was interrupted, or reached its deadline
-  writes ``abort``;
+  writes ``abort`` (a no in the store also blocks the proposal, whether or not its rank
+  is still alive);
 * every rank returns what the register holds, including a rank whose own write lost. No
   clock of one host is compared with another's.
 
