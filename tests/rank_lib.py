@@ -105,6 +105,14 @@ def setup(free_mb=None, *, device=None, **overrides):
 PLAN_BYTES = {
     2: 35651584 + 2097152 + 102760448 + 3 * 8 * 2 + 20 + (3 * 2 + 1) * 8,  # 140509308
     4: 69206016 + 2097152 + 203423744 + 3 * 8 * 4 + 20 + (3 * 4 + 1) * 8,  # 274727132
+    # the scale cases, worked by hand the same way (reference §2.1: B = ws*T*H*2 and
+    # L = 3*B, each + 2048 B rounded to 2 MiB; F = 1024*ws in one granule; below the
+    # lamport clamp of 2145386496 B, so no more than 72 ranks at this shape)
+    8: 136314880 + 2097152 + 404750336 + 3 * 8 * 8 + 20 + (3 * 8 + 1) * 8,  # 543162780
+    16: 270532608 + 2097152 + 807403520 + 3 * 8 * 16 + 20 + (3 * 16 + 1) * 8,  # 1080034076
+    32: 538968064 + 2097152 + 1612709888 + 3 * 8 * 32 + 20 + (3 * 32 + 1) * 8,  # 2153776668
+    64: 1075838976 + 2097152 + 3223322624 + 3 * 8 * 64 + 20 + (3 * 64 + 1) * 8,  # 4301261852
+    72: 1210056704 + 2097152 + 3625975808 + 3 * 8 * 72 + 20 + (3 * 72 + 1) * 8,  # 4838133148
 }
 # HEADROOM_MB=auto over a gloo group: the small reserve (README, "HEADROOM_MB")
 SMALL_RESERVE_MB = 64
