@@ -60,7 +60,7 @@ def internal_error(site: str, exc: BaseException) -> None:
 
 DECISION_FIELDS = ("rank", "pid", "outcome", "entry", "backend", "ranks", "device", "plan_bytes",
                    "free_bytes", "headroom_bytes", "headroom", "probe", "answer", "caller",
-                   "audit", "elapsed_ms")
+                   "audit", "elapsed_ms", "check")
 
 DECISION_LINE = re.compile(
     r"fiws decision rank=(?P<rank>-|\d+) pid=(?P<pid>\d+) outcome=(?P<outcome>pass|veto)"
@@ -70,14 +70,14 @@ DECISION_LINE = re.compile(
     r" headroom_bytes=(?P<headroom_bytes>-?\d+) headroom=(?P<headroom>[a-z-]+)"
     r" probe=(?P<probe>ok|no|-) answer=(?P<answer>create|none|raise)"
     r" caller=(?P<caller>[A-Za-z0-9_.<>-]+) audit=(?P<audit>ok|mismatch|skipped|raised|-)"
-    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+)$")
+    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+) check=(?P<check>[a-z-]+)$")
 
 
 def format_decision(**f) -> str:
     return ("fiws decision rank={rank} pid={pid} outcome={outcome} entry={entry} backend={backend} "
             "ranks={ranks} device={device} plan_bytes={plan_bytes} free_bytes={free_bytes} "
             "headroom_bytes={headroom_bytes} headroom={headroom} probe={probe} answer={answer} "
-            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f}").format(**f)
+            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f} check={check}").format(**f)
 
 
 def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
@@ -93,7 +93,8 @@ def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
             plan_bytes=plan.peak_bytes if plan is not None else -1, free_bytes=d.free_bytes,
             headroom_bytes=d.headroom_bytes, headroom=d.headroom_why or "-",
             probe="-" if d.probe_ok is None else ("ok" if d.probe_ok else "no"),
-            answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms)
+            answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms,
+            check=getattr(d, "check", "") or "-")
         logger.info(line)
     except Exception as exc:  # noqa: BLE001 - a log line must never fail the call
         internal_error("log.decision", exc)

@@ -12,6 +12,20 @@ UNKNOWN_VERSION = 7
 PASS_THROUGH = 8
 INTERRUPTED = 9
 DRIVER_ERROR = 10
+# the preflight checks (flashinfer_safe_workspace/checks/); numbered from 20 on
+CHECK_ERROR = 20
+DEVICE_MISMATCH = 21
+SHARED_GPU = 22
+NO_MULTICAST = 23
+CONFIDENTIAL_COMPUTE = 24
+FABRIC_NOT_READY = 25
+HOSTS_SPAN = 26
+HANDLE_MISMATCH = 27
+NO_IMEX = 28
+CAPTURING = 29
+PACKAGE_MISMATCH = 30
+DEEP_PROBE_FAILED = 31
+RENDEZVOUS_GROUP = 32
 
 REASON_TEXT = {
     OK: "ok",
@@ -25,5 +39,18 @@ REASON_TEXT = {
     PASS_THROUGH: "FlashInfer rejects these arguments before allocating",
     INTERRUPTED: "interrupted",
     DRIVER_ERROR: "a CUDA driver query failed",
+    CHECK_ERROR: "a preflight check could not run",
+    DEVICE_MISMATCH: "the release would allocate on another device than the current one",
+    SHARED_GPU: "two ranks on one GPU where the release needs one GPU per rank",
+    NO_MULTICAST: "no NVLink multicast on a path that creates a multicast object",
+    CONFIDENTIAL_COMPUTE: "confidential computing (multicast disabled, or ranks disagree)",
+    FABRIC_NOT_READY: "the NVLink fabric is not ready (NVML fabric state)",
+    HOSTS_SPAN: "the ranks span hosts on a single-host transport",
+    HANDLE_MISMATCH: "the ranks would choose different memory handle types",
+    NO_IMEX: "FABRIC handles chosen without an IMEX channel",
+    CAPTURING: "called during CUDA graph capture",
+    PACKAGE_MISMATCH: "flashinfer-cubin / flashinfer-jit-cache do not match flashinfer-python",
+    DEEP_PROBE_FAILED: "a peer could not import this rank's memory handle (deep probe)",
+    RENDEZVOUS_GROUP: "FlashInfer would rendezvous on a group other than the call's ranks",
 }
 
