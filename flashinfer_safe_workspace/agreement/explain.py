@@ -80,7 +80,8 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
         for failure in verdict.checks:
             parts = [f"{value} on rank{'s' if len(pos) > 1 else ''} "
                      f"{', '.join(str(rank_of(p)) for p in pos)}" for value, pos in failure.by_value]
-            details.append(f"check {failure.check}: {failure.text}"
+            label = _rec.REASON_TEXT.get(failure.code, "failed")
+            details.append(f"check {failure.check}: {label}: {failure.text}"
                            + (f" ({'; '.join(parts)})" if parts else ""))
             reasons.add(failure.code)
             for _, pos in failure.by_value:
