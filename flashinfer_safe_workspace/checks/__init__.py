@@ -24,7 +24,7 @@ ALL = LOCAL + (deep, memory)
 __all__ = ["ALL", "CROSS", "LOCAL", "Context", "Failure", "compare", "run_local", "first_failure"]
 
 
-def _one(check, ctx) -> CheckResult:
+def run_one(check, ctx) -> CheckResult:
     try:
         if not check.applies(ctx):
             return CheckResult(True, R.OK, "", "", applies=False)
@@ -37,7 +37,7 @@ def _one(check, ctx) -> CheckResult:
 
 def run_local(ctx) -> dict:
     """``{name: CheckResult}`` for every local check, in order (each always answers)."""
-    return {check.NAME: _one(check, ctx) for check in LOCAL}
+    return {check.NAME: run_one(check, ctx) for check in LOCAL}
 
 
 def first_failure(results: dict):
