@@ -154,3 +154,19 @@ def test_a_check_that_errors_fails_closed():
         assert r["outcome"] == "vetoed" and r["calls"] == 0, r
         assert R.REASON_TEXT[R.CHECK_ERROR] in r["err"] and "nvml exploded" in r["err"], r
         assert "Traceback" not in r["err"]
+
+
+def test_package_versions_read_cheaply_match_the_metadata():
+    """The packages check reads the versions from the ``.dist-info`` folders (no scan of
+    every path entry); they are the ones ``importlib.metadata`` reports."""
+    from importlib import metadata
+
+    from flashinfer_safe_workspace.planning import rankfacts
+
+    for name, version in rankfacts.packages():
+        try:
+            expected = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            expected = ""
+        assert version == expected, name
+    assert dict(rankfacts.packages())["flashinfer-python"]  # installed for the tests

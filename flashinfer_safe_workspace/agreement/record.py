@@ -129,6 +129,7 @@ class Register:
     by: Optional[int] = None  # the rank whose write won
     why: str = ""
     mismatch: tuple = ()  # Records (stand-ins) of the peers that made another call
+    check: str = ""  # the check that decided an abort ("" when none did)
     wire: int = WIRE
 
     @property

@@ -158,7 +158,7 @@ class StoreRound:
         else:  # a no needs nobody else: the abort first, then the record
             why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
                    or f"rank {self.rank} said no: {record.no_text()}")
-            value = Register(ABORT, self.rank, why).to_json()
+            value = Register(ABORT, self.rank, why, check=record.failed_check()).to_json()
             raw = self._call(lambda s: (s.compare_set(reg_key, "", value),
                                         s.set(board_key, board), s.set(mine, payload))[0])
             self.published = True
@@ -278,7 +278,7 @@ class StoreRound:
         wanted = COMMIT if out.verdict.commit else (PASS if out.verdict.all_pass else ABORT)
         if wanted != ABORT and time.monotonic() >= self.deadline:
             wanted = ABORT
-        reg = self._write(wanted, out.verdict.why)
+        reg = self._write(wanted, out.verdict.why, check=out.verdict.check)
         out.commit, out.register = reg.commit, reg
 
     def _follow(self, out, record, keys, reg: Register) -> None:
@@ -364,9 +364,9 @@ class StoreRound:
         BOOK.mark_seen(self.mkey, rank, b.generation)
         self._aborted[rank] = b.generation
 
-    def _write(self, outcome: str, why: str, mismatch=()) -> Register:
+    def _write(self, outcome: str, why: str, mismatch=(), check: str = "") -> Register:
         reg_key = self._k("reg")
-        text = Register(outcome, self.rank, why, tuple(mismatch)).to_json()
+        text = Register(outcome, self.rank, why, tuple(mismatch), check=check).to_json()
         return Register.from_json(self._call(lambda s: s.compare_set(reg_key, "", text)))
 
     def _records(self, keys) -> list:

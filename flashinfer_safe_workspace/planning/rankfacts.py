@@ -3,7 +3,8 @@
 ``RankFacts`` is what a prober answers to ``rank_facts(device)``: the real one reads the
 CUDA driver, NVML (``nvml``) and the host; the simulated device answers what a test set.
 The host-level readers here (host identity, IMEX channels, installed FlashInfer
-packages) are plain functions, cheap (microseconds; the package versions are read once).
+packages) are plain functions, cheap: microseconds, and about 1 ms for the package
+versions, read once per process from their `.dist-info` folders.
 """
 
 from __future__ import annotations
@@ -75,19 +76,42 @@ def imex_channel() -> bool:
 
 
 PACKAGES = ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache")
+_MODULES = {"flashinfer-python": "flashinfer", "flashinfer-cubin": "flashinfer_cubin",
+            "flashinfer-jit-cache": "flashinfer_jit_cache"}
+
+
+def _dist_version(name: str) -> str:
+    """The installed version of ``name`` ("" when absent), cheaply: the ``.dist-info``
+    folder next to its top-level module; ``importlib.metadata`` (which scans every path
+    entry) only where that folder is elsewhere."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(_MODULES[name])
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return ""
+    where = os.path.dirname(os.path.dirname(spec.origin)) if spec.origin else ""
+    prefix = name.replace("-", "_") + "-"
+    try:
+        for entry in os.listdir(where) if where else ():
+            if entry.startswith(prefix) and entry.endswith(".dist-info"):
+                return entry[len(prefix):-len(".dist-info")]
+    except OSError:
+        pass
+    from importlib import metadata
+
+    return metadata.version(name)
 
 
 @functools.lru_cache(maxsize=1)
 def packages() -> tuple:
     """``((name, version or ""), ...)`` of FlashInfer's packages, read once per process."""
-    from importlib import metadata
-
     out = []
     for name in PACKAGES:
         try:
-            out.append((name, metadata.version(name)))
-        except metadata.PackageNotFoundError:
-            out.append((name, ""))
-        except Exception:  # noqa: BLE001 - broken metadata: absent
+            out.append((name, _dist_version(name)))
+        except Exception:  # noqa: BLE001 - broken or absent metadata: absent
             out.append((name, ""))
     return tuple(out)
