@@ -170,3 +170,23 @@ def test_package_versions_read_cheaply_match_the_metadata():
             expected = ""
         assert version == expected, name
     assert dict(rankfacts.packages())["flashinfer-python"]  # installed for the tests
+
+
+def test_failure_modes_doc_names_tests_that_exist():
+    """Every mode row of docs/failure-modes.md names a proving test, and each named test
+    exists (a bare name in this file, ``tests/x.py::name`` elsewhere)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = [l for l in (root / "docs/failure-modes.md").read_text().splitlines()
+            if re.match(r"^\| (\d+b?|-) \|", l)]
+    modes = {l.split("|")[1].strip() for l in rows}
+    assert {str(n) for n in range(1, 13)} <= modes
+    for row in rows:
+        named = re.findall(r"`((?:tests/[\w/]+\.py::)?test_\w+)(?:\[[^\]]*\])?`", row.split("|")[-2])
+        assert named, row
+        for ref in named:
+            path, _, name = ref.rpartition("::")
+            text = (root / (path or "tests/test_checks.py")).read_text()
+            assert f"def {name}(" in text, ref
