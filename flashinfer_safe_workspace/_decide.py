@@ -332,8 +332,9 @@ def _run_checks(call: _Call, facts):
     except Exception as exc:  # noqa: BLE001 - each check that needs them fails closed
         internal_error("rank_facts", exc)
         rank, facts_error = None, f"this rank's facts could not be read: {type(exc).__name__}: {exc}"
-    ctx = _checks.Context(call.req, call.version or "", _traits(call.version), call.members,
-                          call.settings, call.bound, rank, cc=bool(facts.confidential_compute),
+    ctx = _checks.Context(call.req, call.version or "", _checks.traits_for(call.version),
+                          call.members, call.settings, call.bound, rank,
+                          cc=bool(facts.confidential_compute),
                           extra={"facts_error": facts_error,
                                  "left_s": call.deadline - time.monotonic()})
     results = _checks.run_local(ctx)
@@ -349,11 +350,3 @@ def _run_checks(call: _Call, facts):
                                           f"{type(exc).__name__}: {exc}"[:300])
     return results, _checks.first_failure(results)
 
-
-def _traits(version):
-    from .planning import rules
-
-    try:
-        return rules.traits(version) if version else None
-    except Exception:  # noqa: BLE001 - unparsable or older than every rule
-        return None

@@ -21,7 +21,19 @@ LOCAL = (group, capture, packages, device, gpus, multicast, fabric, hosts, handl
 CROSS = (packages, gpus, multicast, hosts, handles)
 ALL = LOCAL + (deep, memory)
 
-__all__ = ["ALL", "CROSS", "LOCAL", "Context", "Failure", "compare", "run_local", "first_failure"]
+__all__ = ["ALL", "CROSS", "LOCAL", "Context", "Failure", "compare", "run_local", "first_failure",
+           "traits_for"]
+
+
+def traits_for(version):
+    """The release traits the checks read for ``version`` (None: no version, unparsable,
+    or older than every rule; the checks that need them then do not apply)."""
+    from ..planning import rules
+
+    try:
+        return rules.traits(version) if version else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def run_one(check, ctx) -> CheckResult:

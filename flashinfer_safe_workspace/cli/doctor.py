@@ -201,7 +201,6 @@ def checks_report(version, settings, backends=("trtllm", "mnnvl")) -> dict:
     """Every preflight check's verdict on this host, for a two-rank call per backend
     (the cross-rank checks need peers: listed with their local facts)."""
     from .. import checks as _checks
-    from .._decide import _traits
     from ..agreement.group import Members
     from ..planning import probe as _probe
     from ..planning.plan import Request
@@ -213,8 +212,9 @@ def checks_report(version, settings, backends=("trtllm", "mnnvl")) -> dict:
     out = {"facts_error": error, "facts": dataclasses.asdict(rank) if rank else None}
     for backend in backends:
         req = Request("unified", backend, 2, 0, 2048, 4096, "bfloat16")
-        ctx = _checks.Context(req, version or "", _traits(version), Members("local", (0, 1), 0,
-                              "doctor"), settings, {}, rank, extra={"facts_error": error})
+        ctx = _checks.Context(req, version or "", _checks.traits_for(version),
+                              Members("local", (0, 1), 0, "doctor"), settings, {}, rank,
+                              extra={"facts_error": error})
         rows = _checks.run_local(ctx)
         out[backend] = [{"check": c.NAME, "modes": list(c.MODES), "releases": c.RELEASES,
                          **dataclasses.asdict(rows[c.NAME])} if c.NAME in rows else
