@@ -26,8 +26,19 @@ result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
 """
 
 
-def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2):
-    body = BODY.format(sim=repr(sim), backend=backend, version=version)
+DEEP_KEYS = """
+import datetime
+from flashinfer_safe_workspace.checks import deep as _deep
+_st = dist.distributed_c10d._get_default_store()
+_st.set(f"t/deep-done/{{RANK}}", "1")  # every rank through its decision, then look
+_st.wait([f"t/deep-done/{{r}}" for r in range(WORLD)], datetime.timedelta(seconds=30))
+_keys = list(_deep.keys_of_last_run())
+result.update(deep_keys=len(_keys), deep_left=sum(_st.check([k]) for k in _keys))
+"""
+
+
+def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2, extra=""):
+    body = BODY.format(sim=repr(sim), backend=backend, version=version) + extra.format()
     return results(run_ranks(world, body, env=env, rank_env=rank_env, timeout=120))
 
 
@@ -125,12 +136,14 @@ def test_mode7_handle_types_differ_and_fabric_without_imex():
 
 def test_mode8_9_deep_probe_import_fails():
     env = {"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"}
-    rs = run({1: {"refuse_import": True}}, env=env)
+    rs = run({1: {"refuse_import": True}}, env=env, extra=DEEP_KEYS)
     assert_vetoed(rs, "deep", R.DEEP_PROBE_FAILED)
     assert all(r["exports"] == 0 for r in rs)  # released on every path
-    ok = run({}, env=env)
+    ok = run({}, env=env, extra=DEEP_KEYS)
     assert_created(ok)
     assert all(r["exports"] == 0 for r in ok)
+    for r in rs + ok:  # the round's store keys are gone once every rank is through
+        assert r["deep_keys"] > 0 and r["deep_left"] == 0, r
 
 
 def test_mode10_capture_vetoed_on_every_rank():

@@ -5,7 +5,9 @@ Every rank that decides publishes either its exported handle or ``skip`` (a rank
 own checks failed), so nobody waits for a rank that will not export. Bounded by half of
 what is left of the vote timeout; the export is kept until every peer has said it is
 done importing (or the bound ends), then released on every path. The result is this
-rank's answer: a failed import names the peer."""
+rank's answer: a failed import names the peer. The last rank through deletes the
+round's store keys; a round cut short by its bound, or where no rank took part, leaves
+its few small keys behind (one set per such call)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,33 @@ class _Keys:
     def done(self, pos):
         return f"{self.base}/d/{pos}"
 
+    @property
+    def count(self):
+        return f"{self.base}/n"
+
+    def every(self) -> list:
+        n = len(self.ranks)
+        return [self.handle(p) for p in range(n)] + [self.done(p) for p in range(n)] + [self.count]
+
+
+_last_keys: tuple = ()  # the store keys of this process's last deep probe (for tests)
+
+
+def keys_of_last_run() -> tuple:
+    """The store keys the last deep probe of this process used (all deleted once every
+    rank taking part is through)."""
+    return _last_keys
+
+
+def _clean_up(line, keys, takers: int, deadline) -> None:
+    """Count this rank through; the last of the ``takers`` deletes every key of the round
+    (every handle, skips included, was read before anyone counts). Best effort, bounded."""
+    try:
+        if line.call(lambda st: st.add(keys.count, 1), deadline) >= takers:
+            line.call(lambda st: [st.delete_key(k) for k in keys.every()], deadline)
+    except Exception:  # noqa: BLE001 - a leftover key costs a few bytes, never a veto
+        pass
+
 
 def _wait_all(line, keys, deadline) -> dict:
     """{key: value} once every key exists, polling (bounded by ``deadline``)."""
@@ -75,9 +104,11 @@ def _wait_all(line, keys, deadline) -> dict:
 
 def run(ctx, take_part: bool):
     """The deep probe for this rank; ``take_part`` False publishes ``skip`` only."""
+    global _last_keys
     line = _store.line(ctx.settings.vote_timeout)
     deadline = time.monotonic() + max(ctx.extra.get("left_s", 1.0) / 2, 0.05)
     keys = _Keys(ctx)
+    _last_keys = tuple(keys.every())
     prober = _probe.get_prober()
     handle = _handle(ctx) if take_part else "-"
     keep, token = None, {"skip": True}
@@ -107,8 +138,9 @@ def run(ctx, take_part: bool):
                 failed.append(f"from rank {keys.ranks[pos]}: {type(exc).__name__}: {exc}"[:160])
         mine_done = keys.done(keys.me)
         line.call(lambda st: st.set(mine_done, "1"), deadline)
-        _wait_all(line, [keys.done(p) for p in peers
-                         if not json.loads(got[keys.handle(p)]).get("skip")], deadline)
+        takers = [p for p in peers if not json.loads(got[keys.handle(p)]).get("skip")]
+        _wait_all(line, [keys.done(p) for p in takers], deadline)
+        _clean_up(line, keys, len(takers) + 1, deadline)
         if failed:
             return fail(R.DEEP_PROBE_FAILED, f"handle={handle}", "import failed " + "; ".join(failed))
         return ok(f"handle={handle}")
