@@ -117,6 +117,10 @@ VARIABLES: tuple[Var, ...] = (
         "the rank is waiting for (and abort with ON_HANG=abort)."),
     Var(f"{PREFIX}_ON_HANG", "on_hang", "log\\|abort", "log", _choice("log", "abort"),
         "What the creation watchdog does when it fires."),
+    Var(f"{PREFIX}_DEEP_PROBE", "deep_probe", "bool", False, parse_bool,
+        "Opt-in deep probe: the ranks of one host export one granule with FlashInfer's "
+        "handle type and import each other's through the store (bounded by half the vote "
+        "time left; released on every path). Catches handle, fd-passing and IPC failures."),
     Var(f"{PREFIX}_DEBUG", "debug", "bool", False, parse_bool,
         "Debug logging to stderr, one line per step, prefixed with pid and rank."),
 )

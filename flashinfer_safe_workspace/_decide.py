@@ -21,15 +21,16 @@ from .agreement import (
     store as _store,
     vote as _vote,
 )
-from .audit import compare as _audit
 from . import _config
 from .planning import probe as _probe, request as _request
 from . import _reasons as R
 from .agreement.explain import VetoInfo
-from .agreement.record import NO, PASS, PASS_STATE, YES, Candidate, Record
+from .agreement.record import NO, PASS, PASS_STATE, YES, Candidate, CheckResult, Record
+from . import checks as _checks
+from .checks import deep as _deep, memory as _memory
 from ._log import internal_error, logger, rank_tag
 from .planning import plan as _plan
-from .planning.plan import PassThrough, Plan, Unplanned
+from .planning.plan import PassThrough, Plan
 
 UNIFIED, LEGACY = _request.UNIFIED, _request.LEGACY
 
@@ -60,6 +61,7 @@ class Decision:
     version: Optional[str] = None
     granularity: Optional[int] = None
     cached: bool = False
+    check: str = ""  # the failing check's name on a veto ("-": none named)
 
     @property
     def voted(self) -> tuple:
@@ -110,6 +112,22 @@ if hasattr(os, "register_at_fork"):
 # --------------------------------------------------------------------------- the flow
 
 
+@dataclasses.dataclass
+class _Call:
+    """One call being decided: what the round and this rank's record are made from."""
+
+    req: object
+    bound: dict
+    ident: str
+    version: Optional[str]
+    members: _group.Members
+    settings: _config.Settings
+    deadline: float
+    start: float
+    wkey: tuple
+    fast: object = None
+
+
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
            settings: _config.Settings, fast=None) -> Decision:
     """Everything before FlashInfer runs. Our own failures become this rank's "no"."""
@@ -139,8 +157,6 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         if fast is not None:
             _remember(wkey, fast, hit)
         return Decision("veto", "cached veto", hit, members=members, request=req, cached=True)
-    if _probe.capturing():
-        return Decision("call", "called during CUDA graph capture: no probe, FlashInfer decides")
     if members.kind == "local" and _request.needs_process_group(req, members):
         return Decision("call", "torch.distributed is not initialised and no comm_backend is "
                         "given: FlashInfer raises its own error before allocating")
@@ -150,6 +166,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         return Decision("call", f"FlashInfer {version} not mirrored; pass-through (unprotected)")
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
+    call = _Call(req, bound, ident, version, members, settings, deadline, start, wkey, fast)
     lock = (_round.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
             if members.kind != "local" else None)
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
@@ -158,37 +175,40 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         decision.veto, decision.reason = info, info.message
         return decision  # not cached: the peers may have decided either way without us
     try:
-        return _decide_round(decision, req, bound, ident, version, members, settings,
-                             deadline, start, wkey, fast)
+        return _decide_round(decision, call)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _decide_round(decision, req, bound, ident, version, members, settings, deadline, start,
-                  wkey, fast):
-    rnd = _round_for(members, ident, deadline, settings, _request.summary(req))
+def _run_round(rnd, call: _Call, decision: Decision):
+    """``(outcome, record or None)`` of the round; our own failures are an abort."""
     record = None
     try:
         early = rnd.open()
         if early is not None:  # the group already decided this call without us: follow
-            outcome = early
-        else:
-            record = _local_record(req, bound, version, members, settings, decision)
-            outcome = rnd.vote(record)
+            return early, None
+        record = _local_record(call, decision)
+        return rnd.vote(record), record
     except (_store.StoreTimeout, _store.StoreUnavailable) as exc:
         rnd.abort_now(f"store: {exc}")
-        outcome = _vote.Outcome(False, missing=f"the c10d store did not answer: {exc}",
-                                in_doubt=True)
+        return _vote.Outcome(False, missing=f"the c10d store did not answer: {exc}",
+                             in_doubt=True), record
     except Exception as exc:  # noqa: BLE001 - our bug, or the store surprising us
         internal_error("vote", exc)
         rnd.abort_now(f"internal error: {exc}")
-        outcome = _vote.Outcome(False, missing=f"internal error: {type(exc).__name__}: {exc}",
-                                in_doubt=True)
+        return _vote.Outcome(False, missing=f"internal error: {type(exc).__name__}: {exc}",
+                             in_doubt=True), record
     except BaseException:  # KeyboardInterrupt, SystemExit: abort first, then let it through
         rnd.abort_now("interrupted")
         raise
-    decision.elapsed_ms = (time.perf_counter() - start) * 1000
+
+
+def _decide_round(decision: Decision, call: _Call) -> Decision:
+    rnd = _round_for(call.members, call.ident, call.deadline, call.settings,
+                     _request.summary(call.req))
+    outcome, record = _run_round(rnd, call, decision)
+    decision.elapsed_ms = (time.perf_counter() - call.start) * 1000
     if outcome.register is not None and outcome.register.outcome == PASS:  # every rank:
         # FlashInfer rejects the arguments itself
         decision.action, decision.logged = "call", False
@@ -197,10 +217,15 @@ def _decide_round(decision, req, bound, ident, version, members, settings, deadl
     if outcome.commit:
         decision.action, decision.reason = "call", "every rank voted yes"
         return decision
-    info = _explain.veto(outcome, members, decision.plan, record)
+    decision.check = ((outcome.verdict.check if outcome.verdict is not None else "")
+                      or (record.failed_check() if record is not None else "")
+                      or (outcome.register.check if outcome.register is not None else "")
+                      or _checks.named_in(outcome.register.why if outcome.register else "")
+                      or _checks.named_in(outcome.missing)) or "-"
+    info = _explain.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
     if not outcome.in_doubt:  # a decided register: the same answer on every rank
-        _remember(wkey, fast, info)
+        _remember(call.wkey, call.fast, info)
     return decision
 
 
@@ -254,13 +279,13 @@ def _unbound_record(members) -> Record:
                                              "its arguments do not bind to FlashInfer's signature")})
 
 
-def _local_record(req, bound, version, members, settings, decision: Decision) -> Record:
-    """This rank's record: plan and probe every candidate; never raises for our errors."""
-    mismatch = _request.group_mismatch(req, members)
+def _local_record(call: _Call, decision: Decision) -> Record:
+    """This rank's record: the checks, then plan and probe; never raises for our errors."""
+    req, members, settings, version = call.req, call.members, call.settings, call.version
     if _request.unknown_version(version):
         _warn_version(version, settings)
         if settings.unknown_version == "veto":
-            return _base_record(req, members, candidates={"-": _no(
+            return _base_record(req, members, candidates={"-": _memory.no(
                 False, R.UNKNOWN_VERSION, f"FlashInfer {version} not mirrored; UNKNOWN_VERSION=veto")})
     try:  # arguments FlashInfer rejects before allocating: no device work at all
         early = _request.plan_for(req, _plan.Facts(), version)
@@ -269,76 +294,59 @@ def _local_record(req, bound, version, members, settings, decision: Decision) ->
     if isinstance(early, PassThrough):
         return _base_record(req, members, candidates={
             "-": Candidate(PASS_STATE, R.PASS_THROUGH, early.reason[:300])})
-    headroom, why = _request.headroom(settings, req, bound)
+    headroom, why = _request.headroom(settings, req, call.bound)
     decision.headroom_bytes, decision.headroom_why = headroom, why
     try:
         facts = _request.facts_for(req, members)
     except Exception as exc:  # noqa: BLE001 - a driver query that fails is a "no"
         code = R.NO_DEVICE if isinstance(exc, _probe.ProbeUnavailable) else R.DRIVER_ERROR
         internal_error("facts", exc)
-        return _base_record(req, members, candidates={"-": _no(
+        return _base_record(req, members, candidates={"-": _memory.no(
             settings.fail_open, code, f"{type(exc).__name__}: {exc}")})
     decision.version, decision.granularity = version, facts.granularity
     auto = _request.auto_by_vote(req, version)
-    variants = {"-": None}
-    if auto:
-        variants = {"nomc": False}
-        if facts.multicast_supported:
-            variants["mc"] = True
-    cands = {}
-    for name, everyone in variants.items():
-        cand, plan = _candidate(req, version, facts, everyone, auto, settings, headroom,
-                                mismatch)
-        cands[name] = cand
-        if plan is not None and (name in ("-", "nomc") or decision.plan is None):
-            decision.plan = plan
+    results, failed = _run_checks(call, facts)
+    if failed is not None:
+        name, res = failed
+        cand = _memory.no(res.ok, res.code, f"check {name}: {res.text()}")
+        names = ("nomc", "mc") if auto else ("-",)
+        return _base_record(req, members, candidates={n: cand for n in names}, auto=auto,
+                            multicast=bool(facts.multicast_supported), checks=results)
+    cands, plan = _memory.candidates(req, version, facts, settings, headroom, auto)
+    decision.plan = plan
+    for cand in cands.values():
         if cand.device >= 0:
             decision.device, decision.free_bytes = cand.device, cand.free_bytes
             decision.probe_ok = cand.state == YES
+    results[_memory.NAME] = _memory.result(cands)
     return _base_record(req, members, candidates=cands, auto=auto,
-                        multicast=bool(facts.multicast_supported))
+                        multicast=bool(facts.multicast_supported), checks=results)
 
 
-def _no(ok: bool, reason: int, note: str = "", **fields) -> Candidate:
-    """A candidate that failed for ``reason`` (``ok``: FAIL_OPEN turns it into a yes)."""
-    return Candidate(YES if ok else NO, int(reason), str(note)[:300], **fields)
-
-
-def _candidate(req, version, facts, everyone, auto, settings, headroom, mismatch):
-    """``(Candidate, Plan or None)`` for one way of creating the workspace."""
-    if auto:
-        facts = dataclasses.replace(facts, multicast_all_ranks=everyone)
+def _run_checks(call: _Call, facts):
+    """``({name: CheckResult}, first failure or None)``: the local checks, then the deep
+    probe where it is switched on (every rank takes part or says it skips)."""
     try:
-        plan = _request.plan_for(req, facts, version)
-    except Unplanned as exc:
-        internal_error("plan", exc)
-        return _no(settings.fail_open, R.UNPLANNED, str(exc)), None
-    except Exception as exc:  # noqa: BLE001 - our bug
-        internal_error("plan", exc)
-        return _no(settings.fail_open, R.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"), None
-    if isinstance(plan, PassThrough):
-        return Candidate(PASS_STATE, R.PASS_THROUGH, plan.reason[:300], plan_digest=plan.reason), None
-    base = {"plan_digest": str(plan.digest()), "peak_bytes": plan.peak_bytes,
-            "headroom_bytes": headroom, "backend": plan.backend}
-    if mismatch:
-        return _no(False, R.ARG_MISMATCH, mismatch, **base), plan
-    try:  # what an earlier creation of this call really took, if more than planned
-        probed = _audit.apply_floor(plan, _request.identity(req))
-    except Exception as exc:  # noqa: BLE001
-        internal_error("audit.floor", exc)
-        probed = plan
+        rank = _probe.get_prober().rank_facts()
+        facts_error = ""
+    except Exception as exc:  # noqa: BLE001 - each check that needs them fails closed
+        internal_error("rank_facts", exc)
+        rank, facts_error = None, f"this rank's facts could not be read: {type(exc).__name__}: {exc}"
+    ctx = _checks.Context(call.req, call.version or "", _checks.traits_for(call.version),
+                          call.members, call.settings, call.bound, rank,
+                          cc=bool(facts.confidential_compute),
+                          extra={"facts_error": facts_error,
+                                 "left_s": call.deadline - time.monotonic()})
+    results = _checks.run_local(ctx)
+    failed = _checks.first_failure(results)
     try:
-        result = _probe.get_prober().probe(probed, headroom)
-    except _probe.ProbeUnavailable as exc:
-        internal_error("probe.unavailable", exc)
-        return _no(settings.fail_open, R.NO_DEVICE, str(exc), **base), plan
-    except Exception as exc:  # noqa: BLE001 - the driver surprising us, or our bug
-        internal_error("probe", exc)
-        return _no(settings.fail_open, R.PROBE_ERROR, f"{type(exc).__name__}: {exc}", **base), plan
-    reason = R.OK if result.ok else (R.OUT_OF_MEMORY if result.reason == 1 else R.PROBE_ERROR)
-    return _no(result.ok, reason, result.failed_name, device=result.device,
-               free_bytes=result.free_bytes, failed_bytes=result.failed_bytes,
-               cuda_error=int(result.cuda_error or 0),
-               cuda_error_name=str(result.cuda_error_name or ""),
-               failed_headroom=result.failed_name == "headroom",
-               probe_ms=round(result.elapsed_s * 1000, 3), **base), plan
+        if _deep.applies(ctx):
+            res = _deep.run(ctx, take_part=failed is None)
+            if res is not None:
+                results[_deep.NAME] = res
+    except Exception as exc:  # noqa: BLE001 - fail closed
+        internal_error("check.deep", exc)
+        results[_deep.NAME] = CheckResult(call.settings.fail_open, R.CHECK_ERROR, "check=deep",
+                                          f"{type(exc).__name__}: {exc}"[:300])
+    return results, _checks.first_failure(results)
+

@@ -63,7 +63,7 @@ def internal_error(site: str, exc: BaseException) -> None:
 
 DECISION_FIELDS = ("rank", "pid", "outcome", "entry", "backend", "ranks", "device", "plan_bytes",
                    "free_bytes", "headroom_bytes", "headroom", "probe", "answer", "caller",
-                   "audit", "elapsed_ms", "reasons")
+                   "audit", "elapsed_ms", "reasons", "check")
 
 DECISION_LINE = re.compile(
     r"fiws decision rank=(?P<rank>-|\d+) pid=(?P<pid>\d+) outcome=(?P<outcome>pass|veto)"
@@ -73,14 +73,16 @@ DECISION_LINE = re.compile(
     r" headroom_bytes=(?P<headroom_bytes>-?\d+) headroom=(?P<headroom>[a-z-]+)"
     r" probe=(?P<probe>ok|no|-) answer=(?P<answer>create|none|raise)"
     r" caller=(?P<caller>[A-Za-z0-9_.<>-]+) audit=(?P<audit>ok|mismatch|skipped|raised|-)"
-    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+) reasons=(?P<reasons>-|[A-Z_]+(?:,[A-Z_]+)*)$")
+    r" elapsed_ms=(?P<elapsed_ms>\d+\.\d+) reasons=(?P<reasons>-|[A-Z_]+(?:,[A-Z_]+)*)"
+    r" check=(?P<check>[a-z-]+)$")
 
 
 def format_decision(**f) -> str:
     return ("fiws decision rank={rank} pid={pid} outcome={outcome} entry={entry} backend={backend} "
             "ranks={ranks} device={device} plan_bytes={plan_bytes} free_bytes={free_bytes} "
             "headroom_bytes={headroom_bytes} headroom={headroom} probe={probe} answer={answer} "
-            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f} reasons={reasons}").format(**f)
+            "caller={caller} audit={audit} elapsed_ms={elapsed_ms:.1f} reasons={reasons} "
+            "check={check}").format(**f)
 
 
 def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
@@ -98,7 +100,8 @@ def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
             headroom_bytes=d.headroom_bytes, headroom=d.headroom_why or "-",
             probe="-" if d.probe_ok is None else ("ok" if d.probe_ok else "no"),
             answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms,
-            reasons=",".join(_reasons.names(codes)) or "-")
+            reasons=",".join(_reasons.names(codes)) or "-",
+            check=getattr(d, "check", "") or "-")
         logger.info(line)
     except Exception as exc:  # noqa: BLE001 - a log line must never fail the call
         internal_error("log.decision", exc)

@@ -16,6 +16,20 @@ ABSENT = 11
 STORE_ERROR = 12
 ABORTED = 13
 INCOMPLETE = 14
+# the preflight checks (flashinfer_safe_workspace/checks/); numbered from 20 on
+CHECK_ERROR = 20
+DEVICE_MISMATCH = 21
+SHARED_GPU = 22
+NO_MULTICAST = 23
+CONFIDENTIAL_COMPUTE = 24
+FABRIC_NOT_READY = 25
+HOSTS_SPAN = 26
+HANDLE_MISMATCH = 27
+NO_IMEX = 28
+CAPTURING = 29
+PACKAGE_MISMATCH = 30
+DEEP_PROBE_FAILED = 31
+RENDEZVOUS_GROUP = 32
 
 REASON_TEXT = {
     OK: "ok",
@@ -33,6 +47,19 @@ REASON_TEXT = {
     STORE_ERROR: "the c10d store did not answer",
     ABORTED: "the group aborted",
     INCOMPLETE: "the round did not complete",
+    CHECK_ERROR: "a preflight check could not run",
+    DEVICE_MISMATCH: "the release would allocate on another device than the current one",
+    SHARED_GPU: "two ranks on one GPU where the release needs one GPU per rank",
+    NO_MULTICAST: "no NVLink multicast on a path that creates a multicast object",
+    CONFIDENTIAL_COMPUTE: "confidential computing (multicast disabled, or ranks disagree)",
+    FABRIC_NOT_READY: "the NVLink fabric is not ready (NVML fabric state)",
+    HOSTS_SPAN: "the ranks span hosts on a single-host transport",
+    HANDLE_MISMATCH: "the ranks would choose different memory handle types",
+    NO_IMEX: "FABRIC handles chosen without an IMEX channel",
+    CAPTURING: "called during CUDA graph capture",
+    PACKAGE_MISMATCH: "flashinfer-cubin / flashinfer-jit-cache do not match flashinfer-python",
+    DEEP_PROBE_FAILED: "a peer could not import this rank's memory handle (deep probe)",
+    RENDEZVOUS_GROUP: "FlashInfer would rendezvous on a group other than the call's ranks",
 }
 
 NAMES = {code: name for name, code in sorted(globals().items())

@@ -77,8 +77,9 @@ def host_all_reduce_ok(group=None, timeout=10.0):
     return bool(t.item() == size) or f"all_reduce gave {t.item()} for {size} ranks"
 
 
-def setup(free_mb=None, *, device=None, **overrides):
-    """Install the shim with a simulated device of ``free_mb`` MiB free."""
+def setup(free_mb=None, *, device=None, sim=None, **overrides):
+    """Install the shim with a simulated device of ``free_mb`` MiB free; ``sim``: the
+    simulated device's keyword facts for this rank (multicast, fabric, host, ...)."""
     global capture
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace.planning import probe as _probe
@@ -87,12 +88,13 @@ def setup(free_mb=None, *, device=None, **overrides):
         capture = _Capture()
 
     dev = _probe.SimulatedDevice((80 << 30) if free_mb is None else int(free_mb * MiB),
-                                 device=0 if device is None else device)
+                                 device=0 if device is None else device, **(sim or {}))
     _probe.set_prober(dev)
     fiws.install(**overrides)
     import flashinfer.comm.allreduce as ar
 
     ar.TRTLLMAllReduceFusionWorkspace = RecordingWorkspace
+    ar.MNNVLAllReduceFusionWorkspace = RecordingWorkspace
     return dev
 
 

@@ -120,7 +120,10 @@ def test_audit_ok_for_flashinfers_real_creation(installed, spec):
     rec, keep = installed
     audit, captured, plan = _audited(rec, keep, spec)
     assert isinstance(plan, Plan)
-    assert audit.status == "ok", audit.report_line()
+    assert audit.differences() == ([], []), audit.report_line()
+    # torch's own symmetric blocks are out of sight: never "ok" on those paths
+    symm_path = plan.allocator in ("C", "D")
+    assert audit.status == ("skipped" if symm_path else "ok"), audit.report_line()
     # what the audit saw through the driver/runtime objects is what the stand-ins got
     seen = [(api, n) for api, n in audit.observed if api != "torch-symm"]
     assert seen == _recorded(captured, plan)
@@ -132,7 +135,7 @@ def test_audit_ok_for_flashinfers_real_creation(installed, spec):
     assert audit.observed_held_bytes == sum(
         n for api, n, held in _audit._expected(plan, audit.apis) if held)
     assert _audit.last() is audit
-    assert audit.report_line().startswith("fiws audit ok: flashinfer=" + VERSION)
+    assert audit.report_line().startswith(f"fiws audit {audit.status}: flashinfer=" + VERSION)
 
 
 def test_cutedsl_symmetric_blocks_are_observed(installed):
@@ -146,7 +149,8 @@ def test_cutedsl_symmetric_blocks_are_observed(installed):
     spec = Spec("mnnvl-cutedsl-accepted", 8, 3, 2048, 8192, "bfloat16", "h200", cc=(10, 0),
                 options=(("top_k", 10),))
     audit, captured, plan = _audited(rec, keep, spec)
-    assert audit.status == "ok", audit.report_line()
+    assert audit.differences() == ([], []), audit.report_line()
+    assert audit.status == "skipped" and audit.reason == _audit.UNSEEN_TORCH_BLOCKS
     assert [n for api, n in audit.observed if api == "torch-symm"] == [
         r.bytes for r in captured if r.api == "cuMemCreate"]
 
@@ -172,6 +176,46 @@ def test_old_signal_pad_is_a_mismatch(installed, caplog):
     line = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(line) == 1 and "torch=" in line[0].getMessage()
     assert "max_token_num=91" in line[0].getMessage()
+
+
+def _granularity_64k(spec):
+    """A plan made at 64 KiB granularity; the stand-in device (and torch on it) use 2 MiB."""
+    case, facts, _, req, fn, kwargs = _prepare(spec)
+    facts = dataclasses.replace(facts, granularity=64 << 10)
+    return case, facts, make_plan(req, facts, VERSION), req, fn, kwargs
+
+
+@pytest.mark.parametrize("wrong", ["plan-at-64KiB-on-2MiB-device", "torch-takes-2MiB-more"])
+def test_torch_symmetric_blocks_are_not_audited_as_ok(installed, monkeypatch, wrong):
+    """The two wrong cases an independent check injected on allocator C: the plan's
+    blocks differ from what torch really allocates, and the audit cannot see torch's
+    allocation (it happens in C++). It must not say "ok"."""
+    rec, keep = installed
+    spec = Spec("legacy", 2, 0, 128, 7168, "bfloat16", "h200")
+    if wrong == "plan-at-64KiB-on-2MiB-device":
+        case, facts, plan, req, fn, kwargs = _granularity_64k(spec)
+    else:
+        case, facts, plan, req, fn, kwargs = _prepare(spec)
+        stand_in = symm_mem.empty
+
+        def greedy_empty(*args, **kw):  # a torch whose block is 2 MiB bigger
+            tensor = stand_in(*args, **kw)
+            rec.add(standins.Record("cuMemCreate", 2 * MiB, "posix", case.current_device))
+            return tensor
+
+        monkeypatch.setattr(symm_mem, "empty", greedy_empty)
+    if plan.allocator != "C":
+        pytest.skip("the legacy default path is not torch symmetric memory in this release")
+    rec.start(case)
+    with _audit.watch(plan, req, VERSION, granularity=facts.granularity) as audit:
+        keep.append(fn(**kwargs))
+    captured = rec.stop()
+    torch_held = sum(r.bytes for r in captured if r.api == "cuMemCreate")
+    planned = sum(a.bytes for a in plan.allocations if a.api == "cuMemCreate" and a.held)
+    assert torch_held > planned  # the plan really is wrong here
+    assert audit.status != "ok", audit.report_line()
+    assert audit.status == "skipped" and "cannot be audited" in audit.reason
+    assert "cannot be audited" in audit.report_line()
 
 
 def _one_granule_short(plan):

@@ -114,13 +114,26 @@ RANK = PRELUDE + textwrap.dedent("""
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             init_method=f"tcp://127.0.0.1:{port}")
+    import datetime
+    store = dist.distributed_c10d._get_default_store()
+
+    class Ordered(_probe.SimulatedDevice):
+        # rank 1 probes only once rank 0 has probed: a "no" that arrives first decides
+        # the call, and a rank that opens the round after that follows without probing
+
+        def probe(self, plan, headroom_bytes, device=None):
+            if rank == 1:
+                store.wait(["probed/0"], datetime.timedelta(seconds=30))
+            result = super().probe(plan, headroom_bytes, device)
+            if rank == 0:
+                store.set("probed/0", "1")
+            return result
+
     # rank 1 cannot hold the plan (about 70 MiB) plus the gloo group's small headroom (64 MiB)
-    _probe.set_prober(_probe.SimulatedDevice(100 * MiB if rank == 1 else 80 << 30))
+    _probe.set_prober(Ordered(100 * MiB if rank == 1 else 80 << 30))
     out = create(world_size=2, rank=rank)
     print(json.dumps({"pid": os.getpid(), "out": out}), flush=True)
-    import datetime
-    store = dist.distributed_c10d._get_default_store()  # rank 0 hosts it: wait for rank 1
-    store.set(f"done/{rank}", "1")
+    store.set(f"done/{rank}", "1")  # rank 0 hosts the store: it waits for rank 1
     if rank == 0:
         store.wait(["done/0", "done/1"], datetime.timedelta(seconds=30))
     os._exit(0)

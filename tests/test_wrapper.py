@@ -200,5 +200,6 @@ def test_graph_capture_consults_the_veto_cache_first(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **args) is None
     assert entered == []  # FlashInfer never entered, during capture either
-    # an undecided call during capture still goes to FlashInfer (no probe then)
-    assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **dict(args, hidden_dim=2048)) == "made"
+    # an undecided call during capture is vetoed (the capture check), FlashInfer not entered
+    assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **dict(args, hidden_dim=2048)) is None
+    assert entered == []

@@ -58,8 +58,11 @@ def _advice(reasons: set) -> str:
     if reasons & {_rec.OUT_OF_MEMORY}:
         return ("Free GPU memory on that rank (or lower FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB); "
                 "until then the non-fused all-reduce is used.")
-    if reasons & {_rec.ARG_MISMATCH}:
-        return "Call with the same arguments on every rank of the group."
+    if reasons & {_rec.ARG_MISMATCH, _rec.RENDEZVOUS_GROUP}:
+        return ("Call with the same arguments on every rank of the group, and pass the group "
+                "FlashInfer rendezvouses on (group=) where the release takes it.")
+    if reasons & {_rec.CAPTURING}:
+        return "Create the workspace before CUDA graph capture; the non-fused all-reduce is used."
     return "The non-fused all-reduce is used."
 
 
@@ -87,6 +90,15 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
                 named.extend(rank_of(p) for p in pos_list)
         if verdict.mismatch:
             named = sorted(set(named))
+        for failure in verdict.checks:
+            parts = [f"{value} on rank{'s' if len(pos) > 1 else ''} "
+                     f"{', '.join(str(rank_of(p)) for p in pos)}" for value, pos in failure.by_value]
+            label = _rec.REASON_TEXT.get(failure.code, "failed")
+            details.append(f"check {failure.check}: {label}: {failure.text}"
+                           + (f" ({'; '.join(parts)})" if parts else ""))
+            reasons.add(failure.code)
+            for _, pos in failure.by_value:
+                named.extend(rank_of(p) for p in pos)
         for pos in verdict.no + verdict.passing:
             cand = records[pos].candidates.get(verdict.candidate) or Candidate(
                 NO, _rec.INTERNAL_ERROR, f"no {verdict.candidate} candidate")

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Optional, Union
 
-WIRE = 3  # bump on any change of the fields below or of the values a round writes
+WIRE = 4  # bump on any change of the fields below or of the values a round writes
 
 from .._reasons import OK, REASON_TEXT
 
@@ -59,6 +59,21 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """One preflight check's answer on this rank (``checks/``): the fact it read, as text."""
+
+    ok: bool = True
+    code: int = OK
+    value: str = ""  # the fact behind the answer, e.g. "multicast=0" (compared across ranks)
+    note: str = ""  # why it failed, in words
+    applies: bool = True  # False: this release/backend does not fail this way; not checked
+
+    def text(self) -> str:
+        label = REASON_TEXT.get(self.code, "no")
+        return f"{label} ({self.value})" + (f": {self.note}" if self.note else "")
+
+
+@dataclasses.dataclass(frozen=True)
 class Record:
     """What one rank publishes for one decision (exactly one per rank per round)."""
 
@@ -70,6 +85,7 @@ class Record:
     candidates: dict = dataclasses.field(default_factory=dict)  # name -> Candidate
     auto: bool = False  # FlashInfer's auto backend, resolved from every rank's records
     multicast: bool = False  # this rank supports multicast (auto's deciding fact)
+    checks: dict = dataclasses.field(default_factory=dict)  # check name -> CheckResult
     wire: int = WIRE
 
     @classmethod
@@ -85,6 +101,10 @@ class Record:
         usable = [c.usable for c in self.candidates.values()]
         return any(usable) if self.auto else all(usable)
 
+    def failed_check(self) -> str:
+        """The name of this rank's first failing check, or ``""``."""
+        return next((name for name, c in self.checks.items() if not c.ok), "")
+
     def no_text(self) -> str:
         """This rank's reasons for its no, short (late ranks read it in the register)."""
         return "; ".join(c.text() for c in self.candidates.values())[:400] or "no"
@@ -98,7 +118,8 @@ class Record:
         body = _parse(raw, "record")
         try:
             cands = {str(k): Candidate(**v) for k, v in body.pop("candidates").items()}
-            return cls(candidates=cands, **body)
+            checks = {str(k): CheckResult(**v) for k, v in body.pop("checks", {}).items()}
+            return cls(candidates=cands, checks=checks, **body)
         except (TypeError, AttributeError, KeyError) as exc:
             raise Unreadable(f"record: {exc}") from None
 
@@ -111,6 +132,7 @@ class Register:
     by: Optional[int] = None  # the rank whose write won
     why: str = ""
     mismatch: tuple = ()  # Records (stand-ins) of the peers that made another call
+    check: str = ""  # the check that decided an abort ("" when none did)
     wire: int = WIRE
 
     @property

@@ -234,7 +234,7 @@ class StoreRound:
         """A no needs nobody else: the abort first, then the wake-up, then the record."""
         why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
                or f"rank {self.rank} said no: {record.no_text()}")
-        value = Register(ABORT, self.rank, why).to_json()
+        value = Register(ABORT, self.rank, why, check=record.failed_check()).to_json()
         reg_key, ready_key = self._k("reg"), self._k("ready")
         names, values = self._publish_ops(record)
 
@@ -278,7 +278,7 @@ class StoreRound:
         if not out.verdict.commit or late:
             wanted = PASS if out.verdict.all_pass and not late else ABORT
             why = f"rank {self.rank} reached its deadline" if late else out.verdict.why
-            reg = self._write(wanted, why)
+            reg = self._write(wanted, why, check="" if late else out.verdict.check)
         else:
             ready_key, reg_key = self._k("ready"), self._k("reg")
             until = self._store_until()
@@ -533,11 +533,11 @@ class StoreRound:
         BOOK.mark_seen(self.mkey, rank, b.generation)
         self._aborted[rank] = b.generation
 
-    def _write(self, outcome: str, why: str, mismatch=()) -> Register:
+    def _write(self, outcome: str, why: str, mismatch=(), check: str = "") -> Register:
         """``compare_set`` on the register (the first write wins; what it holds is returned);
         any outcome but commit also wakes the ranks still waiting for the records."""
         reg_key, ready_key = self._k("reg"), self._k("ready")
-        text = Register(outcome, self.rank, why, tuple(mismatch)).to_json()
+        text = Register(outcome, self.rank, why, tuple(mismatch), check=check).to_json()
 
         def write(s):
             held = s.compare_set(reg_key, "", text)

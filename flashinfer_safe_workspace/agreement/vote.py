@@ -60,6 +60,8 @@ class Verdict:
     mismatch: tuple = ()  # (field, {value: [positions]}) pairs
     plan_mismatch: tuple = ()  # positions whose plan digest differs
     all_pass: bool = False  # every rank's FlashInfer call rejects the arguments itself
+    checks: tuple = ()  # checks.Failure of the cross-rank checks that failed
+    check: str = ""  # the name of the check that decided a veto ("" when none did)
 
 
 def resolve(records: list) -> Verdict:
@@ -78,6 +80,7 @@ def resolve(records: list) -> Verdict:
             if len(by_value) > 1:
                 diff.append((name, by_value))
         return Verdict(False, "ranks called with different arguments", mismatch=tuple(diff))
+    failures = _cross_checks(records)
     cand = "-"
     if records[0].auto:
         cand = "mc" if all(r.multicast for r in records) else "nomc"
@@ -88,15 +91,25 @@ def resolve(records: list) -> Verdict:
     if passing and len(passing) == len(states):  # every rank: FlashInfer rejects it itself
         return Verdict(False, "FlashInfer rejects these arguments on every rank", cand,
                        passing=passing, all_pass=True)
-    if no or passing:
-        why = "a rank said no" if no else "FlashInfer rejects the arguments on some ranks only"
-        return Verdict(False, why, cand, no, passing)
+    if no or passing or failures:
+        why = ("a rank said no" if no else "a check across ranks failed" if failures
+               else "FlashInfer rejects the arguments on some ranks only")
+        named = next((records[i].failed_check() for i in no if records[i].failed_check()), "")
+        return Verdict(False, why, cand, no, passing, checks=tuple(failures),
+                       check=failures[0].check if failures else named)
     digests = [r.candidates[cand].plan_digest for r in records]
     common = max(set(digests), key=digests.count)
     differ = tuple(i for i, d in enumerate(digests) if d != common)
     if differ:
         return Verdict(False, "plans differ between ranks", cand, plan_mismatch=differ)
     return Verdict(True, "every rank voted yes", cand)
+
+
+def _cross_checks(records: list) -> list:
+    """The cross-rank checks (``checks.compare``) over every rank's record."""
+    from .. import checks
+
+    return checks.compare(records)
 
 
 # --------------------------------------------------------------------------- outcome

@@ -10,10 +10,13 @@ records, on the calling thread only, the allocations FlashInfer asks for:
 * ``cudaMalloc`` / ``cudaFree`` through FlashInfer's ctypes runtime object
   (``flashinfer.comm.cuda_ipc.cudart``, also bound in ``trtllm_ar``);
 * ``torch.distributed._symmetric_memory.empty`` (allocator C and D): the tensor's
-  bytes S are observed; the block torch's CUDA allocator makes for it is
-  RU(RU(S, 16) + P, G) with P the *installed* torch's ``get_signal_pad_size()``
-  (torch's allocation itself happens in C++ and is not visible from Python, so
-  this block is derived from the observed request and the runtime's pad).
+  bytes S are observed; the block torch's CUDA allocator makes for it is taken as
+  RU(RU(S, 16) + P, G) with P the *installed* torch's ``get_signal_pad_size()``.
+  torch allocates that block in C++, out of sight: a wrong granularity in the plan,
+  or a torch that allocates more than this formula, would go unseen. So on these
+  paths a creation whose observed requests match the plan is ``skipped`` ("cannot
+  audit torch's own blocks"), never ``ok``; a request that differs (FlashInfer asked
+  torch for other bytes, or the installed pad differs from the plan's) is ``mismatch``.
 
 Each of these is patched as an attribute of the object FlashInfer calls through (the
 module, or the instance), so every binding of that object sees it; the wrapper calls
@@ -40,6 +43,9 @@ from ..planning.plan import DEFAULT_GRANULARITY, FALLBACK_TORCH_SIGNAL_PAD, Allo
 logger = logging.getLogger("flashinfer_safe_workspace")
 
 OBSERVED_APIS = ("cuMemCreate", "cuMemAlloc", "cudaMalloc", "torch-symm")
+UNSEEN_TORCH_BLOCKS = ("torch symmetric memory (allocator C/D) allocates its blocks in C++, "
+                       "out of sight: the requests matched the plan, the blocks cannot be "
+                       "audited")
 
 
 _lock = threading.Lock()
@@ -178,8 +184,12 @@ class Audit(Recorder):
             self.status, self.reason = "skipped", "nothing observable was allocated"
             return
         extra, missing = self.differences()
-        self.status = "mismatch" if (extra or missing) else "ok"
-        self.reason = "" if self.status == "ok" else "allocations differ from the plan"
+        if extra or missing:
+            self.status, self.reason = "mismatch", "allocations differ from the plan"
+        elif any(s.api == "torch-symm" for s in self.seen):
+            self.status, self.reason = "skipped", UNSEEN_TORCH_BLOCKS
+        else:
+            self.status, self.reason = "ok", ""
 
 
 # --------------------------------------------------------------------------- the API

@@ -194,12 +194,53 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
     report["hooks_registered"] = _bootstrap.hooks_registered
     report["cuda"] = _cuda_report()
     report["facts"] = facts_report(report["cuda"])
+    report["checks"] = checks_report(report["flashinfer"].get("version"), settings)
     report["waiting_for_flashinfer"] = _watching()
     report["active"] = bool(_patch.is_active()) or report["waiting_for_flashinfer"]
     # pth / start / plugin:vllm / plugin:sglang / plugin:aphrodite / sitecustomize / install()
     report["activated_by"] = _bootstrap.activated_by() if report["active"] else None
     report["why"] = _why(report)
     return report
+
+
+def checks_report(version, settings, backends=("trtllm", "mnnvl")) -> dict:
+    """Every preflight check's verdict on this host, for a two-rank call per backend
+    (the cross-rank checks need peers: listed with their local facts)."""
+    from .. import checks as _checks
+    from ..agreement.group import Members
+    from ..planning import probe as _probe
+    from ..planning.plan import Request
+
+    try:
+        rank, error = _probe.get_prober().rank_facts(), ""
+    except Exception as exc:  # noqa: BLE001 - shown, and every check that needs them fails
+        rank, error = None, f"{type(exc).__name__}: {exc}"
+    out = {"facts_error": error, "facts": dataclasses.asdict(rank) if rank else None}
+    for backend in backends:
+        req = Request("unified", backend, 2, 0, 2048, 4096, "bfloat16")
+        ctx = _checks.Context(req, version or "", _checks.traits_for(version),
+                              Members("local", (0, 1), 0, "doctor"), settings, {}, rank,
+                              extra={"facts_error": error})
+        rows = _checks.run_local(ctx)
+        out[backend] = [{"check": c.NAME, "modes": list(c.MODES), "releases": c.RELEASES,
+                         **dataclasses.asdict(rows[c.NAME])} if c.NAME in rows else
+                        {"check": c.NAME, "modes": list(c.MODES), "releases": c.RELEASES,
+                         "ok": None, "applies": None, "value": "decided per call", "code": 0,
+                         "note": ""} for c in _checks.ALL]
+    return out
+
+
+def _format_checks(rep: dict) -> list:
+    out = ["  preflight checks on this host (a 2-rank call, FlashInfer's release):"]
+    if rep.get("facts_error"):
+        out.append(f"    facts: {rep['facts_error']}")
+    for backend in ("trtllm", "mnnvl"):
+        for row in rep.get(backend, []):
+            verdict = ("n/a" if row["applies"] is False else "per call" if row["ok"] is None
+                       else "ok" if row["ok"] else f"VETO ({row['code']})")
+            out.append(f"    {backend:7s} {row['check']:9s} {verdict:10s} {row['value']}"
+                       + (f" - {row['note']}" if row.get("note") else ""))
+    return out
 
 
 def _why(r: dict) -> list:
@@ -300,6 +341,8 @@ def format_doctor(r: dict) -> str:
         from ..planning.facts import format_facts
 
         out.append("  " + format_facts(r["facts"]))
+    if r.get("checks"):
+        out += _format_checks(r["checks"])
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
     from ..audit import compare as _audit
     from .. import _caller

@@ -18,6 +18,8 @@ import time
 from typing import Optional
 
 from .plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, round_up
+from . import rankfacts as _rf
+from .rankfacts import Fabric, RankFacts
 
 from .._reasons import OK, OUT_OF_MEMORY, PROBE_ERROR
 
@@ -152,11 +154,12 @@ class CudaProber:
         count = int(_check(drv.cuDeviceGetCount()))
         major = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR", dev)
         minor = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR", dev)
+        fabric_attr = bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev))
         return Facts(
             granularity=gran or DEFAULT_GRANULARITY,
             multicast_granularity=mc_gran or DEFAULT_MC_GRANULARITY,
-            fabric_supported=bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev)),
-            fabric_nvml_ok=False,
+            fabric_supported=fabric_attr,
+            fabric_nvml_ok=fabric_attr and flashinfer_picks_fabric(self._fabric(dev)),
             multicast_supported=multicast,
             confidential_compute=confidential_compute,
             current_device=dev,
@@ -164,6 +167,53 @@ class CudaProber:
             compute_capability=(major, minor),
             **_extra_facts(),
         )
+
+    def _fabric(self, dev: int) -> Optional[Fabric]:
+        """NVML's fabric info for ``dev`` (None: none, or NVML unavailable: FlashInfer then
+        does not pick FABRIC either, 0.6.0–0.7.2.post1 raise on an NVML error)."""
+        from . import nvml
+
+        try:
+            bus = _check(self._drv.cuDeviceGetPCIBusId(32, dev))
+            bus = bus.decode() if isinstance(bus, (bytes, bytearray)) else str(bus)
+            return nvml.fabric(bus.strip("\x00"))
+        except nvml.NvmlUnavailable:
+            return None
+
+    def rank_facts(self, device: Optional[int] = None) -> RankFacts:
+        """The checks' facts for this rank, read from the driver, NVML and the host."""
+        drv = self._ready()
+        dev = self.current_device() if device is None else int(device)
+        uuid = _check(drv.cuDeviceGetUuid(_check(drv.cuDeviceGet(dev))))
+        raw = getattr(uuid, "bytes", b"")
+        raw = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw)
+        return RankFacts(
+            host=_rf.host_identity(), gpu_uuid=bytes(raw).hex(), device=dev,
+            device_count=int(_check(drv.cuDeviceGetCount())),
+            multicast=bool(self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev)),
+            fabric_handles=bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev)),
+            fabric=self._fabric(dev), imex_channel=_rf.imex_channel(), capturing=capturing(),
+            packages=_rf.packages())
+
+    def export_handle(self, handle: str, device: Optional[int] = None):
+        """One granule created with ``handle`` ("posix"/"fabric") and exported: returns
+        ``(token, keep)``; ``token`` is JSON-able for the peers, ``keep`` goes back to
+        :meth:`release_export` on every path."""
+        from . import handles
+
+        return handles.export(self, handle, self.current_device() if device is None else device)
+
+    def import_handle(self, handle: str, token: dict, device: Optional[int] = None) -> None:
+        """Import a peer's token and release it at once; raises on failure."""
+        from . import handles
+
+        handles.import_release(self, handle, token,
+                               self.current_device() if device is None else device)
+
+    def release_export(self, keep) -> None:
+        from . import handles
+
+        handles.release(self, keep)
 
     def multicast_granularity(self, device: Optional[int], world_size: int, size: int,
                               handle: Optional[str]) -> Optional[int]:
@@ -249,6 +299,12 @@ def _extra_facts() -> dict:
     return {"imex_channel": os.path.exists(IMEX_CHANNEL)}
 
 
+def flashinfer_picks_fabric(fabric: Optional[Fabric]) -> bool:
+    """FlashInfer 0.6.0–0.7.2.post1's own NVML test for FABRIC handles: state completed
+    and a cluster UUID (it never looks at the status)."""
+    return fabric is not None and fabric.state >= Fabric.COMPLETED and fabric.has_cluster
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (no probe then)."""
     torch = sys.modules.get("torch")
@@ -276,7 +332,7 @@ class SimulatedDevice:
                  granularity: int = DEFAULT_GRANULARITY, device: int = 0,
                  delay_s: float = 0.0, error: Optional[BaseException] = None,
                  interrupt_after: Optional[int] = None, multicast: bool = True,
-                 fabric: bool = False, mc_granularity=None):
+                 fabric: bool = False, mc_granularity=None, **rank_facts):
         self.free_bytes = int(free_bytes)
         self.total_bytes = int(total_bytes if total_bytes is not None else max(free_bytes, 0) + (1 << 30))
         self.granularity = granularity
@@ -290,11 +346,55 @@ class SimulatedDevice:
         self.live_bytes = 0
         self.probes = 0
         self.max_live_bytes = 0
+        unknown = set(rank_facts) - set(SIM_FACTS)
+        if unknown:
+            raise TypeError(f"SimulatedDevice: unknown facts {sorted(unknown)}")
+        self.sim = dict(SIM_FACTS, **rank_facts)  # the checks' facts, settable per rank
+        self.exports_live = 0  # deep-probe exports not yet released (0 when none runs)
+        self.imports = 0
 
     def facts(self, device: Optional[int], confidential_compute: bool, world_size: int) -> Facts:
+        fab = self._fabric()
         return Facts(granularity=self.granularity, multicast_supported=self.multicast,
                      fabric_supported=self.fabric, confidential_compute=confidential_compute,
-                     current_device=self.device if device is None else device, device_count=8)
+                     fabric_nvml_ok=self.fabric and flashinfer_picks_fabric(fab),
+                     imex_channel=bool(self.sim["imex_channel"]),
+                     current_device=self.device if device is None else device,
+                     device_count=int(self.sim["device_count"]))
+
+    def _fabric(self) -> Optional[Fabric]:
+        if self.sim["fabric_state"] is None:
+            return None
+        return Fabric(int(self.sim["fabric_state"]), int(self.sim["fabric_status"]),
+                      str(self.sim["cluster_uuid"]))
+
+    def rank_facts(self, device: Optional[int] = None) -> RankFacts:
+        if self.sim["facts_error"] is not None:
+            raise self.sim["facts_error"]
+        s = self.sim
+        return RankFacts(
+            host=s["host"] or _rf.host_identity(), gpu_uuid=s["gpu_uuid"] or f"sim-gpu-{os.getpid()}",
+            device=self.device if device is None else device, device_count=int(s["device_count"]),
+            multicast=self.multicast, fabric_handles=self.fabric, fabric=self._fabric(),
+            imex_channel=bool(s["imex_channel"]), capturing=bool(s["capturing"]) or capturing(),
+            packages=tuple(s["packages"]) if s["packages"] is not None else _rf.packages())
+
+    def export_handle(self, handle: str, device: Optional[int] = None):
+        if self.sim["export_error"]:
+            raise RuntimeError(f"simulated export failure: {self.sim['export_error']}")
+        self.exports_live += 1
+        token = {"sim": handle, "pid": os.getpid(), "refuse": bool(self.sim["refuse_import"])}
+        return token, token
+
+    def import_handle(self, handle: str, token: dict, device: Optional[int] = None) -> None:
+        if token.get("refuse") or self.sim["import_error"]:
+            raise RuntimeError("simulated import failure: CUDA_ERROR_INVALID_DEVICE")
+        if token.get("sim") != handle:
+            raise RuntimeError(f"handle type {token.get('sim')!r} imported as {handle!r}")
+        self.imports += 1
+
+    def release_export(self, keep) -> None:
+        self.exports_live -= 1
 
     def multicast_granularity(self, device, world_size, size, handle):
         return self.mc_granularity(size) if self.mc_granularity is not None else None
@@ -331,6 +431,24 @@ class SimulatedDevice:
             for size in held:
                 self.live_bytes -= size
             result.elapsed_s = time.perf_counter() - start
+
+
+# what a SimulatedDevice answers for the checks unless a test sets it (per rank)
+SIM_FACTS = {
+    "host": "",  # "": this machine's identity
+    "gpu_uuid": "",  # "": one GPU per process
+    "device_count": 8,
+    "fabric_state": None,  # None: NVML has no fabric info; else Fabric.* state
+    "fabric_status": 0,
+    "cluster_uuid": "0" * 32,
+    "imex_channel": False,
+    "capturing": False,
+    "packages": None,  # None: the installed packages
+    "facts_error": None,  # an exception rank_facts raises (a check that itself fails)
+    "export_error": "",  # deep probe: this rank cannot export
+    "import_error": "",  # deep probe: this rank cannot import a peer's handle
+    "refuse_import": False,  # deep probe: no peer can import this rank's handle
+}
 
 
 # --------------------------------------------------------------------------- selection
