@@ -37,9 +37,11 @@ result.update(deep_keys=len(_keys), deep_left=sum(_st.check([k]) for k in _keys)
 """
 
 
-def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2, extra=""):
+def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2, extra="",
+        internal_errors=()):
     body = BODY.format(sim=repr(sim), backend=backend, version=version) + extra.format()
-    return results(run_ranks(world, body, env=env, rank_env=rank_env, timeout=120))
+    return results(run_ranks(world, body, env=env, rank_env=rank_env, timeout=120,
+                             internal_errors=internal_errors))
 
 
 def assert_vetoed(rs, check, code):
@@ -161,7 +163,9 @@ def test_mode12_memory_is_a_check():
 
 
 def test_a_check_that_errors_fails_closed():
-    rs = run({0: {"facts_error": RuntimeError("nvml exploded")}})
+    # one injected fault: the facts fail, and every check that needs them reports it
+    rs = run({0: {"facts_error": RuntimeError("nvml exploded")}},
+             internal_errors=("rank_facts", "check.capture", "check.packages", "check.multicast"))
     for r in rs:
         assert r["check"] == "capture", r  # the first check that needs the facts
         assert r["outcome"] == "vetoed" and r["calls"] == 0, r
