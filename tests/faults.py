@@ -189,7 +189,7 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         lambda runs: (all_or_none(runs, [1]), all_or_none(runs, [0], bound=BOUND + VOTE_TIMEOUT + 3.5),
                       _expect([_res(runs, r)["outcome"] for r in (0, 1)] == ["none", "none"], runs)),
         timeout=90,
-        reasons={0: (["STORE_ERROR"], ["ABSENT"]), 1: (["STORE_ERROR"], ["ABSENT"])}),
+        reasons={0: (["STORE_ERROR"], ["ABSENT"], ["ABORTED"]), 1: (["STORE_ERROR"], ["ABSENT"])}),
     Scenario(
         "Ctrl-C (SIGINT) on a rank waiting in the vote; peer arrives later", 2,
         _free() + """

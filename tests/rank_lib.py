@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 
 MiB = 1 << 20
@@ -32,10 +34,15 @@ class _Capture:
 
         self.records = []
         self.handler = logging.Handler(level=logging.DEBUG)
-        self.handler.emit = self.records.append
+        self.handler.emit = self._keep
         log = logging.getLogger("flashinfer_safe_workspace")
         log.addHandler(self.handler)
         log.setLevel(logging.DEBUG)
+
+    def _keep(self, record):
+        self.records.append(record)
+        if record.levelno >= logging.WARNING:  # what Python's last-resort handler would print
+            sys.stderr.write(record.getMessage() + "\n")
 
     def lines(self):
         return [r.getMessage() for r in self.records]
