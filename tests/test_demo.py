@@ -45,7 +45,7 @@ def test_a_starved_rank_vetoes_on_both_ranks():
     assert (rows[1]["probe"], rows[1]["plan_bytes"]) in (("ok", _plan_bytes()), ("-", -1)), rows[1]
     # HEADROOM_MB=auto over the demo's gloo WORLD: the small reserve, and the starved rank is
     # left 64 MiB short of plan + headroom
-    assert all(r["headroom_bytes"] == 64 * MiB for r in rows)
+    assert all(r["headroom_bytes"] == 64 * MiB for r in rows if r["probe"] != "-")
     assert rows[0]["free_bytes"] == _plan_bytes() + 64 * MiB - 64 * MiB
 
 
