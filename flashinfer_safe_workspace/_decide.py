@@ -34,7 +34,7 @@ from .planning.plan import PassThrough, Plan
 
 UNIFIED, LEGACY = _request.UNIFIED, _request.LEGACY
 
-_veto_cache: dict = {}  # (entry, ranks, identity) -> VetoInfo, from decided rounds
+_veto_cache: dict = {}  # (entry, ranks, group kind, identity) -> VetoInfo, from decided rounds
 _fast: dict = {}  # exact hashable call -> the workspace key above
 _cache_lock = threading.Lock()
 _version_warned: set = set()
@@ -73,7 +73,7 @@ class Decision:
 
 def cached_veto(entry: str, original: Callable, args: tuple, kwargs: dict):
     """A veto this call already got from a decided round, or None. The exact-call key is
-    tried first (microseconds); then the workspace key (entry, ranks, identity), which does
+    tried first (microseconds); then the workspace key (entry, ranks, group kind, identity), which does
     not depend on per-call objects such as a fresh comm_backend."""
     try:
         fast = (entry, id(original), args, tuple(sorted(kwargs.items())))
@@ -230,17 +230,25 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
 
 
 def _tell_peers_no(members, record, deadline, settings) -> None:
-    """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours)."""
-    rnd = _round_for(members, record.call, deadline, settings, record.args)
+    """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours).
+    Serialised with this rank's other decisions on the set, like every round: two threads
+    must not count the same round out twice."""
+    lock = _round.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+    if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
+        return  # the peers time out on this rank's record: a veto there too
     try:
-        if rnd.open() is None:
-            rnd.vote(record)
-    except Exception as exc:  # noqa: BLE001
-        internal_error("vote.unbound", exc)
-        rnd.abort_now("arguments do not bind")
-    except BaseException:
-        rnd.abort_now("interrupted")
-        raise
+        rnd = _round_for(members, record.call, deadline, settings, record.args)
+        try:
+            if rnd.open() is None:
+                rnd.vote(record)
+        except Exception as exc:  # noqa: BLE001
+            internal_error("vote.unbound", exc)
+            rnd.abort_now("arguments do not bind")
+        except BaseException:
+            rnd.abort_now("interrupted")
+            raise
+    finally:
+        lock.release()
 
 
 def _round_for(members, ident, deadline, settings, args=None):
