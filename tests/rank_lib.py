@@ -90,11 +90,12 @@ def setup(free_mb=None, *, device=None, sim=None, **overrides):
     global capture
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace.planning import probe as _probe
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 
     if capture is None:
         capture = _Capture()
 
-    dev = _probe.SimulatedDevice((80 << 30) if free_mb is None else int(free_mb * MiB),
+    dev = SimulatedDevice((80 << 30) if free_mb is None else int(free_mb * MiB),
                                  device=0 if device is None else device, **(sim or {}))
     _probe.set_prober(dev)
     fiws.install(**overrides)

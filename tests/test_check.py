@@ -135,7 +135,7 @@ def test_release_without_rules_cannot_tell(capsys):
 def test_no_driver_cannot_tell_for_real():
     """No simulation: this machine has no CUDA driver, so the answer is 2."""
     try:
-        _probe.CudaProber()._ready()
+        _probe.CudaProber().driver()
         pytest.skip("this machine has a CUDA driver")
     except _probe.ProbeUnavailable:
         pass
@@ -245,7 +245,7 @@ def test_plan_says_when_flashinfer_is_missing(capsys, monkeypatch):
 
 def test_plan_driver_facts_without_a_driver_cannot_tell(capsys):
     try:
-        _probe.CudaProber()._ready()
+        _probe.CudaProber().driver()
         pytest.skip("this machine has a CUDA driver")
     except _probe.ProbeUnavailable:
         pass

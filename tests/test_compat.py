@@ -87,6 +87,7 @@ WRAPT_CHECK = """
     import flashinfer.comm as comm                      # the .pth activated the shim
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace.activation import patch as _patch; from flashinfer_safe_workspace.planning import probe as _probe
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 
     names = ("create_allreduce_fusion_workspace",
              "trtllm_create_ipc_workspace_for_all_reduce_fusion")
@@ -105,7 +106,7 @@ WRAPT_CHECK = """
             "module": proxy.__module__ == orig.__module__,
             "single_layer": not _patch.is_ours(orig),
         }
-    _probe.set_prober(_probe.SimulatedDevice(64 << 20))  # too small: a local veto
+    _probe.set_prober(SimulatedDevice(64 << 20))  # too small: a local veto
     out["veto_none"] = repr(comm.create_allreduce_fusion_workspace(
         backend="trtllm", world_size=1, rank=0, max_token_num=256, hidden_dim=1024,
         dtype=torch.bfloat16))
@@ -175,10 +176,10 @@ def test_wrapt_1_is_not_loaded_before_flashinfer():
 CUDA_CHECK = """
     import json
     from flashinfer_safe_workspace.planning import probe as _probe
-    drv = _probe._driver()
+    drv = _probe.driver_module()
     out = {"module": drv.__name__}
     try:
-        _probe.CudaProber()._ready()
+        _probe.CudaProber().driver()
         out["probe"] = "ready"
     except _probe.ProbeUnavailable as exc:
         out["probe"] = "ProbeUnavailable"
@@ -196,7 +197,7 @@ def _no_driver_here():
     from flashinfer_safe_workspace.planning import probe as _probe
 
     try:
-        _probe.CudaProber()._ready()
+        _probe.CudaProber().driver()
     except _probe.ProbeUnavailable:
         return
     pytest.skip("this machine has a CUDA driver; the no-driver path cannot be shown")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed._symmetric_memory as symm
 
-from flashinfer_safe_workspace.planning import facts as _facts, probe as _probe
+from flashinfer_safe_workspace.planning import facts as _facts
+from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 from flashinfer_safe_workspace.planning.plan import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ def test_a_torch_without_the_query_falls_back_to_2048_logged_once(monkeypatch, c
     assert len(warnings) == 1
 
 
-class CountingDevice(_probe.SimulatedDevice):
+class CountingDevice(SimulatedDevice):
     """The simulated device, counting and recording the multicast questions."""
 
     def __init__(self, *args, **kwargs):
@@ -65,7 +66,7 @@ def test_runtime_facts_asks_the_prober_per_object_size_once():
 
 
 def test_a_prober_without_an_answer_leaves_the_fixed_granularity():
-    facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 30), confidential_compute=False,
+    facts = _facts.runtime_facts(SimulatedDevice(1 << 30), confidential_compute=False,
                                  world_size=2)
     assert facts.gmc(2 * MiB) == facts.multicast_granularity == 512 * MiB
 

@@ -30,6 +30,7 @@ PRELUDE = textwrap.dedent("""
     import torch
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace.planning import probe as _probe
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
     fiws.install(on_veto="none", vote_timeout=60)
     import flashinfer.comm as comm
     MiB = 1 << 20
@@ -77,9 +78,9 @@ def test_regex_matches_the_readme_example():
 
 def test_one_line_per_decision_single_rank():
     script = PRELUDE + textwrap.dedent("""
-        _probe.set_prober(_probe.SimulatedDevice(256 * MiB))
+        _probe.set_prober(SimulatedDevice(256 * MiB))
         out = [create(), create()]            # a veto, then the cached veto
-        _probe.set_prober(_probe.SimulatedDevice(80 << 30))
+        _probe.set_prober(SimulatedDevice(80 << 30))
         out.append(create(max_token_num=512))  # another shape: a fresh decision, passes
         out.append(create(max_token_num=0))  # FlashInfer rejects it itself: no decision
         print(json.dumps({"pid": os.getpid(), "out": out}))
@@ -117,7 +118,7 @@ RANK = PRELUDE + textwrap.dedent("""
     import datetime
     store = dist.distributed_c10d._get_default_store()
 
-    class Ordered(_probe.SimulatedDevice):
+    class Ordered(SimulatedDevice):
         # rank 1 probes only once rank 0 has probed: a "no" that arrives first decides
         # the call, and a rank that opens the round after that follows without probing
 

@@ -12,13 +12,14 @@ import flashinfer.comm.allreduce as ar
 import flashinfer_safe_workspace as fiws
 from flashinfer_safe_workspace import _log
 from flashinfer_safe_workspace.planning import probe as _probe
+from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 
 NO_CUDA = "Torch not compiled with CUDA enabled"
 
 
 @pytest.fixture
 def shim():
-    _probe.set_prober(_probe.SimulatedDevice(80 << 30))
+    _probe.set_prober(SimulatedDevice(80 << 30))
     fiws.install()
     yield
     fiws.uninstall()
@@ -59,7 +60,7 @@ def test_flashinfer_exception_is_untouched(shim, monkeypatch):
 
 
 def test_veto_in_raise_mode_is_a_runtime_error_without_multicast(monkeypatch):
-    _probe.set_prober(_probe.SimulatedDevice(1 << 20))  # 1 MiB free: nothing fits
+    _probe.set_prober(SimulatedDevice(1 << 20))  # 1 MiB free: nothing fits
     fiws.install(on_veto="raise")
     with pytest.raises(fiws.WorkspaceVetoed) as info:
         comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=1, rank=0,
@@ -70,7 +71,7 @@ def test_veto_in_raise_mode_is_a_runtime_error_without_multicast(monkeypatch):
 
 
 def test_legacy_api_always_raises_on_veto():
-    _probe.set_prober(_probe.SimulatedDevice(1 << 20))
+    _probe.set_prober(SimulatedDevice(1 << 20))
     fiws.install(on_veto="none")
     with pytest.raises(fiws.WorkspaceVetoed):
         comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
@@ -147,7 +148,7 @@ def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatc
         asked.append(size)
         return (512 << 20) if size >= (64 << 20) else (2 << 20)
 
-    dev = _probe.SimulatedDevice(80 << 30, mc_granularity=granularity)
+    dev = SimulatedDevice(80 << 30, mc_granularity=granularity)
     _probe.set_prober(dev)
     fiws.install()
     monkeypatch.setattr(ar, "MNNVLAllReduceFusionWorkspace", lambda **kw: "made")
@@ -164,7 +165,7 @@ def test_mnnvl_plan_uses_the_multicast_granularity_of_the_object_size(monkeypatc
 def test_no_process_group_passes_flashinfers_own_error_through():
     """Found by the property above: without torch.distributed, a multi-rank trtllm workspace
     fails inside FlashInfer before allocating; the caller must see that error, not a veto."""
-    _probe.set_prober(_probe.SimulatedDevice(1 << 20))  # would veto if it were asked
+    _probe.set_prober(SimulatedDevice(1 << 20))  # would veto if it were asked
     fiws.install(on_veto="raise")
     with pytest.raises(RuntimeError) as info:
         comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=455, rank=0,
@@ -191,7 +192,7 @@ def test_graph_capture_consults_the_veto_cache_first(monkeypatch):
     entered = []
     monkeypatch.setattr(ar, "TRTLLMAllReduceFusionWorkspace",
                         lambda **kw: entered.append(kw) or "made")
-    _probe.set_prober(_probe.SimulatedDevice(1 << 20))  # 1 MiB: every plan is vetoed
+    _probe.set_prober(SimulatedDevice(1 << 20))  # 1 MiB: every plan is vetoed
     fiws.install(on_veto="none")
     args = dict(backend="trtllm", world_size=1, rank=0, max_token_num=512, hidden_dim=1024,
                 dtype=torch.bfloat16)

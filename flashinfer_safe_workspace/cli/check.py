@@ -57,6 +57,7 @@ def _headroom_mib(settings, backend: str, headroom_mb: Optional[int]):
 def _answer(r: dict, simulate_free_mb: Optional[int]):
     """(status, reason), filling ``r`` with the facts, the plan and the probe's figures."""
     from ..planning import plan as _plan, probe as _probe, rules
+    from ..planning.simulated import SimulatedDevice
 
     version = r["flashinfer_version"]
     if version is None:
@@ -70,7 +71,7 @@ def _answer(r: dict, simulate_free_mb: Optional[int]):
         return "cannot-tell", str(exc)
     device = r["device"]
     if simulate_free_mb is not None:
-        prober = _probe.SimulatedDevice(int(simulate_free_mb) * MiB, device=device)
+        prober = SimulatedDevice(int(simulate_free_mb) * MiB, device=device)
     else:
         prober = _probe.CudaProber()
     plan = _plan_here(r, prober)

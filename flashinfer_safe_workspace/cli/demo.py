@@ -166,6 +166,7 @@ def _prepare_device(args, use_gpu: bool):
 
     from .. import _config
     from ..planning import facts as _facts, plan as _plan, probe as _probe, request as _request
+    from ..planning.simulated import SimulatedDevice
     from ..planning import rules
 
     rank, ws = args.rank, args.world_size
@@ -184,11 +185,11 @@ def _prepare_device(args, use_gpu: bool):
         if hog is not None:
             hog.fill(leave=need - args.short_mb * MiB)
         return headroom_bytes, f"cuda:{rank}", hog
-    facts = _facts.runtime_facts(_probe.SimulatedDevice(1 << 40), confidential_compute=False,
+    facts = _facts.runtime_facts(SimulatedDevice(1 << 40), confidential_compute=False,
                                  world_size=ws)
     need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
     free = need - args.short_mb * MiB if starved else 80 << 30
-    _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
+    _probe.set_prober(SimulatedDevice(free, device=rank))
     return headroom_bytes, "simulated", None
 
 
@@ -265,15 +266,15 @@ class _Hog:
     """Fills a GPU with cuMemCreate so that only ``leave`` bytes stay free (GPU demo)."""
 
     def __init__(self, device: int):
-        from ..planning.probe import CudaProber, _check
+        from ..planning.probe import CudaProber, checked
 
-        self.prober, self.check, self.device, self.handles = CudaProber(), _check, device, []
+        self.prober, self.check, self.device, self.handles = CudaProber(), checked, device, []
 
     def fill(self, leave: int) -> None:
         import torch
 
-        drv = self.prober._ready()
-        prop = self.prober._prop(self.device, "posix", True)  # FlashInfer's allocation properties
+        drv = self.prober.driver()
+        prop = self.prober.allocation_prop(self.device, "posix", True)  # FlashInfer's allocation properties
         torch.cuda.init()
         gran = 2 * MiB
         while True:
@@ -285,7 +286,7 @@ class _Hog:
             self.handles.append(self.check(drv.cuMemCreate(size, prop, 0)))
 
     def release(self) -> None:
-        drv = self.prober._ready()
+        drv = self.prober.driver()
         for handle in self.handles:
             self.check(drv.cuMemRelease(handle))
         self.handles.clear()

@@ -119,18 +119,18 @@ def _cuda_report() -> dict:
     try:
         from ..planning import probe as _probe
 
-        drv = _probe._driver()
+        drv = _probe.driver_module()
         out["bindings"] = drv.__name__
     except Exception as exc:
         out["error"] = f"no cuda-python driver bindings: {exc}"
         return out
     try:
-        from ..planning.probe import _check
+        from ..planning.probe import checked
 
-        _check(drv.cuInit(0))
-        version = int(_check(drv.cuDriverGetVersion()))
+        checked(drv.cuInit(0))
+        version = int(checked(drv.cuDriverGetVersion()))
         out["driver_version"] = f"{version // 1000}.{(version % 1000) // 10}"
-        out["device_count"] = int(_check(drv.cuDeviceGetCount()))
+        out["device_count"] = int(checked(drv.cuDeviceGetCount()))
     except Exception as exc:
         name = getattr(exc, "name", "") or type(exc).__name__
         out["error"] = f"no driver: {name}: {exc}" if str(exc) != name else f"no driver: {name}"

@@ -17,13 +17,13 @@ SYS_PIDFD_GETFD = 438  # the same number on x86_64 and aarch64 (generic syscall 
 
 @contextlib.contextmanager
 def _context(prober, dev: int):
-    from .probe import _check
+    from .probe import checked
 
-    drv = prober._ready()
-    cu_dev = _check(drv.cuDeviceGet(dev))
-    ctx = _check(drv.cuDevicePrimaryCtxRetain(cu_dev))
+    drv = prober.driver()
+    cu_dev = checked(drv.cuDeviceGet(dev))
+    ctx = checked(drv.cuDevicePrimaryCtxRetain(cu_dev))
     try:
-        _check(drv.cuCtxPushCurrent(ctx))
+        checked(drv.cuCtxPushCurrent(ctx))
         try:
             yield drv
         finally:
@@ -41,15 +41,15 @@ def _type(drv, handle: str):
 def export(prober, handle: str, dev: int):
     """``(token, keep)``: one granule of ``handle`` type, exported. ``keep`` is released
     by :func:`release`; on a failure here everything made so far is released."""
-    from .probe import _check
+    from .probe import checked
 
     with _context(prober, dev) as drv:
-        prop = prober._prop(dev, handle, False)
-        gran = int(_check(drv.cuMemGetAllocationGranularity(
+        prop = prober.allocation_prop(dev, handle, False)
+        gran = int(checked(drv.cuMemGetAllocationGranularity(
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
-        mem = _check(drv.cuMemCreate(gran, prop, 0))
+        mem = checked(drv.cuMemCreate(gran, prop, 0))
         try:
-            shared = _check(drv.cuMemExportToShareableHandle(mem, _type(drv, handle), 0))
+            shared = checked(drv.cuMemExportToShareableHandle(mem, _type(drv, handle), 0))
         except BaseException:
             drv.cuMemRelease(mem)
             raise
@@ -85,7 +85,7 @@ def _pidfd_getfd(pid: int, fd: int) -> int:
 
 def import_release(prober, handle: str, token: dict, dev: int) -> None:
     """Import a peer's exported granule and release the import at once; raises on failure."""
-    from .probe import _check
+    from .probe import checked
 
     if token.get("type") != handle:
         raise RuntimeError(f"the peer exported {token.get('type')!r}, this rank expects {handle!r}")
@@ -98,7 +98,7 @@ def import_release(prober, handle: str, token: dict, dev: int) -> None:
             local_fd = _pidfd_getfd(int(token["pid"]), int(token["fd"]))
             shared = local_fd
         try:
-            mem = _check(drv.cuMemImportFromShareableHandle(shared, _type(drv, handle)))
+            mem = checked(drv.cuMemImportFromShareableHandle(shared, _type(drv, handle)))
             drv.cuMemRelease(mem)
         finally:
             if local_fd is not None:

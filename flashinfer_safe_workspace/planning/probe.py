@@ -4,8 +4,8 @@
 ``CUmemAllocationProp`` FlashInfer uses (type, location, handle type,
 ``gpuDirectRDMACapable``), holds them all at once with the headroom, and releases
 every one on every path. It never calls ``cuMulticastCreate``; granularity queries
-create nothing. ``SimulatedDevice`` stands in for a GPU on machines without one
-(per-rank free bytes); everything above the probe interface is the real code.
+create nothing. ``simulated.SimulatedDevice`` answers the same interface on machines
+without a GPU; everything above the probe interface is the real code.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class DriverQueryFailed(RuntimeError):
 # --------------------------------------------------------------------------- CUDA
 
 
-def _driver():
+def driver_module():
     """The cuda-python driver module: 13.x ``cuda.bindings.driver`` or 12.x ``cuda.cuda``."""
     try:
         from cuda.bindings import driver  # cuda-python >= 12.6 / 13.x
@@ -65,7 +65,7 @@ def _driver():
         raise ProbeUnavailable(f"cuda-python driver bindings not importable: {exc}") from None
 
 
-def _check(result):
+def checked(result):
     """Unpack a cuda-python ``(err, *values)`` tuple; raise ``CudaError`` on failure."""
     err = result[0]
     if int(err) != 0:
@@ -90,11 +90,11 @@ class CudaProber:
     def __init__(self):
         self._drv = None
 
-    def _ready(self):
+    def driver(self):
         if self._drv is None:
-            drv = _driver()
+            drv = driver_module()
             try:
-                _check(drv.cuInit(0))
+                checked(drv.cuInit(0))
             except CudaError as exc:
                 raise ProbeUnavailable(f"cuInit failed: {exc.name}") from None
             except Exception as exc:  # library not found etc.
@@ -111,7 +111,7 @@ class CudaProber:
                 raise ProbeUnavailable(f"torch.cuda.current_device() failed: {exc}") from None
         raise ProbeUnavailable("torch is not imported")
 
-    def _prop(self, device: int, handle: Optional[str], rdma: bool):
+    def allocation_prop(self, device: int, handle: Optional[str], rdma: bool):
         drv = self._drv
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -134,15 +134,15 @@ class CudaProber:
         built on a guessed attribute could switch protection off, so the rank says no."""
         drv = self._drv
         try:
-            return int(_check(drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)))
+            return int(checked(drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)))
         except Exception as exc:
             raise DriverQueryFailed(f"cuDeviceGetAttribute({name}) failed: {exc}") from None
 
     def facts(self, device: Optional[int], confidential_compute: bool, world_size: int) -> Facts:
-        drv = self._ready()
+        drv = self.driver()
         dev = self.current_device() if device is None else int(device)
-        prop = self._prop(dev, "posix", True)
-        gran = int(_check(drv.cuMemGetAllocationGranularity(
+        prop = self.allocation_prop(dev, "posix", True)
+        gran = int(checked(drv.cuMemGetAllocationGranularity(
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
         multicast = bool(self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev))
         mc_gran = None
@@ -151,7 +151,7 @@ class CudaProber:
                 mc_gran = self.multicast_granularity(dev, world_size, 1 << 30, "posix")
             except Exception as exc:
                 raise DriverQueryFailed(f"cuMulticastGetGranularity failed: {exc}") from None
-        count = int(_check(drv.cuDeviceGetCount()))
+        count = int(checked(drv.cuDeviceGetCount()))
         major = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR", dev)
         minor = self._attr("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR", dev)
         fabric_attr = bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev))
@@ -174,7 +174,7 @@ class CudaProber:
         from . import nvml
 
         try:
-            bus = _check(self._drv.cuDeviceGetPCIBusId(32, dev))
+            bus = checked(self._drv.cuDeviceGetPCIBusId(32, dev))
             bus = bus.decode() if isinstance(bus, (bytes, bytearray)) else str(bus)
             return nvml.fabric(bus.strip("\x00"))
         except nvml.NvmlUnavailable:
@@ -182,14 +182,14 @@ class CudaProber:
 
     def rank_facts(self, device: Optional[int] = None) -> RankFacts:
         """The checks' facts for this rank, read from the driver, NVML and the host."""
-        drv = self._ready()
+        drv = self.driver()
         dev = self.current_device() if device is None else int(device)
-        uuid = _check(drv.cuDeviceGetUuid(_check(drv.cuDeviceGet(dev))))
+        uuid = checked(drv.cuDeviceGetUuid(checked(drv.cuDeviceGet(dev))))
         raw = getattr(uuid, "bytes", b"")
         raw = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw)
         return RankFacts(
             host=_rf.host_identity(), gpu_uuid=bytes(raw).hex(), device=dev,
-            device_count=int(_check(drv.cuDeviceGetCount())),
+            device_count=int(checked(drv.cuDeviceGetCount())),
             multicast=bool(self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev)),
             fabric_handles=bool(self._attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", dev)),
             fabric=self._fabric(dev), imex_channel=_rf.imex_channel(), capturing=capturing(),
@@ -220,7 +220,7 @@ class CudaProber:
         """RECOMMENDED multicast granularity for an object of ``size`` bytes over
         ``world_size`` devices, queried the way FlashInfer queries it (the answer depends
         on the size: 2 MiB for a 2 MiB object on H200). A query only: nothing is created."""
-        drv = self._ready()
+        drv = self.driver()
         dev = self.current_device() if device is None else int(device)
         if not self._attr("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", dev):
             return None
@@ -230,23 +230,23 @@ class CudaProber:
         types = drv.CUmemAllocationHandleType
         mc.handleTypes = (types.CU_MEM_HANDLE_TYPE_FABRIC if handle == "fabric"
                           else types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        return int(_check(drv.cuMulticastGetGranularity(
+        return int(checked(drv.cuMulticastGetGranularity(
             mc, drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED)))
 
     def probe(self, plan: Plan, headroom_bytes: int, device: Optional[int] = None) -> ProbeResult:
-        drv = self._ready()
+        drv = self.driver()
         dev = plan.device if plan.device is not None else (
             self.current_device() if device is None else device)
         start = time.perf_counter()
         result = ProbeResult(ok=False, device=dev)
-        cu_dev = _check(drv.cuDeviceGet(dev))
-        ctx = _check(drv.cuDevicePrimaryCtxRetain(cu_dev))
+        cu_dev = checked(drv.cuDeviceGet(dev))
+        ctx = checked(drv.cuDevicePrimaryCtxRetain(cu_dev))
         created = []  # (kind, handle)
         pushed = False
         try:
-            _check(drv.cuCtxPushCurrent(ctx))
+            checked(drv.cuCtxPushCurrent(ctx))
             pushed = True
-            free, total = _check(drv.cuMemGetInfo())
+            free, total = checked(drv.cuMemGetInfo())
             result.free_bytes, result.total_bytes = int(free), int(total)
             rdma_c = bool(self._attr("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED", dev))
             wanted = [(a.name, a.bytes, a.api, a.handle_type) for a in plan.probe_allocations]
@@ -258,14 +258,14 @@ class CudaProber:
                         rdma = plan.allocator.startswith("B") if name != "headroom" else False
                         if plan.allocator == "C" and name != "headroom":
                             rdma = rdma_c
-                        prop = self._prop(dev, handle, rdma)
+                        prop = self.allocation_prop(dev, handle, rdma)
                         if name == "headroom":
-                            gran = int(_check(drv.cuMemGetAllocationGranularity(
+                            gran = int(checked(drv.cuMemGetAllocationGranularity(
                                 prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
                             size = round_up(size, gran)
-                        created.append(("mem", _check(drv.cuMemCreate(size, prop, 0))))
+                        created.append(("mem", checked(drv.cuMemCreate(size, prop, 0))))
                     else:  # cudaMalloc / cuMemAlloc / torch: a plain device allocation
-                        created.append(("ptr", _check(drv.cuMemAlloc(max(int(size), 1)))))
+                        created.append(("ptr", checked(drv.cuMemAlloc(max(int(size), 1)))))
                 except CudaError as exc:
                     result.reason = OUT_OF_MEMORY if exc.code == 2 else PROBE_ERROR
                     result.failed_name, result.failed_bytes = name, int(size)
@@ -277,16 +277,16 @@ class CudaProber:
             errors = []
             for kind, handle in reversed(created):
                 try:
-                    _check(drv.cuMemRelease(handle) if kind == "mem" else drv.cuMemFree(handle))
+                    checked(drv.cuMemRelease(handle) if kind == "mem" else drv.cuMemFree(handle))
                 except Exception as exc:  # keep releasing the rest
                     errors.append(exc)
             if pushed:
                 try:
-                    _check(drv.cuCtxPopCurrent())
+                    checked(drv.cuCtxPopCurrent())
                 except Exception as exc:
                     errors.append(exc)
             try:
-                _check(drv.cuDevicePrimaryCtxRelease(cu_dev))
+                checked(drv.cuDevicePrimaryCtxRelease(cu_dev))
             except Exception as exc:
                 errors.append(exc)
             result.elapsed_s = time.perf_counter() - start
@@ -313,142 +313,6 @@ def capturing() -> bool:
                     and torch.cuda.is_current_stream_capturing())
     except Exception:  # noqa: BLE001
         return False
-
-
-# --------------------------------------------------------------------------- simulated
-
-
-class SimulatedDevice:
-    """A stand-in GPU with a fixed number of free bytes, for machines without one.
-
-    Faults for tests and the demo: ``delay_s`` (a slow probe), ``error`` (an exception
-    raised by the probe), ``interrupt_after`` (KeyboardInterrupt after N allocations).
-    ``live_bytes`` is what is held right now; it must be 0 whenever no probe runs.
-    """
-
-    name = "simulated"
-
-    def __init__(self, free_bytes: int, *, total_bytes: Optional[int] = None,
-                 granularity: int = DEFAULT_GRANULARITY, device: int = 0,
-                 delay_s: float = 0.0, error: Optional[BaseException] = None,
-                 interrupt_after: Optional[int] = None, multicast: bool = True,
-                 fabric: bool = False, mc_granularity=None, **rank_facts):
-        self.free_bytes = int(free_bytes)
-        self.total_bytes = int(total_bytes if total_bytes is not None else max(free_bytes, 0) + (1 << 30))
-        self.granularity = granularity
-        self.device = device
-        self.delay_s = delay_s
-        self.error = error
-        self.interrupt_after = interrupt_after
-        self.multicast = multicast
-        self.fabric = fabric
-        self.mc_granularity = mc_granularity  # size -> multicast granularity, or None
-        self.live_bytes = 0
-        self.probes = 0
-        self.max_live_bytes = 0
-        unknown = set(rank_facts) - set(SIM_FACTS)
-        if unknown:
-            raise TypeError(f"SimulatedDevice: unknown facts {sorted(unknown)}")
-        self.sim = dict(SIM_FACTS, **rank_facts)  # the checks' facts, settable per rank
-        self.exports_live = 0  # deep-probe exports not yet released (0 when none runs)
-        self.imports = 0
-
-    def facts(self, device: Optional[int], confidential_compute: bool, world_size: int) -> Facts:
-        fab = self._fabric()
-        return Facts(granularity=self.granularity, multicast_supported=self.multicast,
-                     fabric_supported=self.fabric, confidential_compute=confidential_compute,
-                     fabric_nvml_ok=self.fabric and flashinfer_picks_fabric(fab),
-                     imex_channel=bool(self.sim["imex_channel"]),
-                     current_device=self.device if device is None else device,
-                     device_count=int(self.sim["device_count"]))
-
-    def _fabric(self) -> Optional[Fabric]:
-        if self.sim["fabric_state"] is None:
-            return None
-        return Fabric(int(self.sim["fabric_state"]), int(self.sim["fabric_status"]),
-                      str(self.sim["cluster_uuid"]))
-
-    def rank_facts(self, device: Optional[int] = None) -> RankFacts:
-        if self.sim["facts_error"] is not None:
-            raise self.sim["facts_error"]
-        s = self.sim
-        return RankFacts(
-            host=s["host"] or _rf.host_identity(), gpu_uuid=s["gpu_uuid"] or f"sim-gpu-{os.getpid()}",
-            device=self.device if device is None else device, device_count=int(s["device_count"]),
-            multicast=self.multicast, fabric_handles=self.fabric, fabric=self._fabric(),
-            imex_channel=bool(s["imex_channel"]), capturing=bool(s["capturing"]) or capturing(),
-            packages=tuple(s["packages"]) if s["packages"] is not None else _rf.packages())
-
-    def export_handle(self, handle: str, device: Optional[int] = None):
-        if self.sim["export_error"]:
-            raise RuntimeError(f"simulated export failure: {self.sim['export_error']}")
-        self.exports_live += 1
-        token = {"sim": handle, "pid": os.getpid(), "refuse": bool(self.sim["refuse_import"])}
-        return token, token
-
-    def import_handle(self, handle: str, token: dict, device: Optional[int] = None) -> None:
-        if token.get("refuse") or self.sim["import_error"]:
-            raise RuntimeError("simulated import failure: CUDA_ERROR_INVALID_DEVICE")
-        if token.get("sim") != handle:
-            raise RuntimeError(f"handle type {token.get('sim')!r} imported as {handle!r}")
-        self.imports += 1
-
-    def release_export(self, keep) -> None:
-        self.exports_live -= 1
-
-    def multicast_granularity(self, device, world_size, size, handle):
-        return self.mc_granularity(size) if self.mc_granularity is not None else None
-
-    def probe(self, plan: Plan, headroom_bytes: int, device: Optional[int] = None) -> ProbeResult:
-        start = time.perf_counter()
-        self.probes += 1
-        dev = plan.device if plan.device is not None else self.device
-        result = ProbeResult(ok=False, device=dev, free_bytes=self.free_bytes,
-                             total_bytes=self.total_bytes)
-        wanted = [(a.name, a.bytes) for a in plan.probe_allocations]
-        if headroom_bytes > 0:
-            wanted.append(("headroom", round_up(headroom_bytes, self.granularity)))
-        held = []
-        try:
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            for index, (name, size) in enumerate(wanted):
-                if self.interrupt_after is not None and index >= self.interrupt_after:
-                    raise KeyboardInterrupt("simulated interrupt during the probe")
-                if self.error is not None and index == 1:
-                    raise self.error
-                if self.live_bytes + size > self.free_bytes:
-                    result.reason = OUT_OF_MEMORY
-                    result.failed_name, result.failed_bytes = name, size
-                    result.cuda_error, result.cuda_error_name = 2, "CUDA_ERROR_OUT_OF_MEMORY"
-                    return result
-                self.live_bytes += size
-                held.append(size)
-                self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
-            result.ok = True
-            return result
-        finally:
-            for size in held:
-                self.live_bytes -= size
-            result.elapsed_s = time.perf_counter() - start
-
-
-# what a SimulatedDevice answers for the checks unless a test sets it (per rank)
-SIM_FACTS = {
-    "host": "",  # "": this machine's identity
-    "gpu_uuid": "",  # "": one GPU per process
-    "device_count": 8,
-    "fabric_state": None,  # None: NVML has no fabric info; else Fabric.* state
-    "fabric_status": 0,
-    "cluster_uuid": "0" * 32,
-    "imex_channel": False,
-    "capturing": False,
-    "packages": None,  # None: the installed packages
-    "facts_error": None,  # an exception rank_facts raises (a check that itself fails)
-    "export_error": "",  # deep probe: this rank cannot export
-    "import_error": "",  # deep probe: this rank cannot import a peer's handle
-    "refuse_import": False,  # deep probe: no peer can import this rank's handle
-}
 
 
 # --------------------------------------------------------------------------- selection

@@ -744,13 +744,14 @@ def main(argv):
     import flashinfer_safe_workspace as fiws
     from flashinfer_safe_workspace import _decide
     from flashinfer_safe_workspace.planning import probe as _probe
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
     from flashinfer_safe_workspace._log import parse_decision_lines
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     group = dist.new_group(list(range(world)), backend="gloo")  # the engine's TP cpu_group
     other = dist.new_group(list(range(world)), backend="gloo")  # another group, same ranks
-    _probe.set_prober(_probe.SimulatedDevice(free, device=rank))
+    _probe.set_prober(SimulatedDevice(free, device=rank))
     answers = _Answers()
     sys.path.insert(0, str(root))
     result = {"rank": rank, "pid": os.getpid(), "engine": engine, "version": version,

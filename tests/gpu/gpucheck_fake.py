@@ -433,10 +433,11 @@ def activate(device) -> None:
 
 def install_prober() -> None:
     from flashinfer_safe_workspace.planning import probe as _probe
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 
     gpu = _device.gpu
 
-    class FakeProber(_probe.SimulatedDevice):
+    class FakeProber(SimulatedDevice):
         name = "fake-gpu"
 
         @property
