@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from .agreement import (
     allgather as _allgather,
+    board as _board,
     explain as _explain,
     group as _group,
     round as _round,
@@ -83,8 +84,17 @@ def cached_veto(entry: str, original: Callable, args: tuple, kwargs: dict):
     if fast is not None:
         wkey = _fast.get(fast)
         if wkey is not None and wkey in _veto_cache:
+            _count_call(wkey)
             return _veto_cache[wkey], wkey
     return None, fast
+
+
+def _count_call(wkey) -> None:
+    """A call answered from the cache still counts on the rank set's board (``board``): a
+    peer that waits for it in a round of its own then knows this rank is ahead."""
+    _entry, ranks, kind, _ident = wkey
+    if kind == "store":
+        _board.count_call(_vote.members_key(ranks))
 
 
 def _remember(wkey, fast, info: VetoInfo) -> None:
@@ -154,6 +164,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     wkey = (entry, members.ranks, members.kind, ident)
     hit = _veto_cache.get(wkey)
     if hit is not None:
+        _count_call(wkey)
         if fast is not None:
             _remember(wkey, fast, hit)
         return Decision("veto", "cached veto", hit, members=members, request=req, cached=True)
@@ -167,7 +178,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
     call = _Call(req, bound, ident, version, members, settings, deadline, start, wkey, fast)
-    lock = (_round.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+    lock = (_board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
             if members.kind != "local" else None)
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
         info = _explain.local(f"another thread of this process was still deciding for ranks "
@@ -233,7 +244,7 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
     """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours).
     Serialised with this rank's other decisions on the set, like every round: two threads
     must not count the same round out twice."""
-    lock = _round.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+    lock = _board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
     if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
         return  # the peers time out on this rank's record: a veto there too
     try:

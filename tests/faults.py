@@ -322,13 +322,31 @@ dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 a = rank_lib.create(rank=RANK)  # both vetoed (rank 0 short): cached on both
 b = rank_lib.create(rank=RANK, max_token_num=(2048 if RANK == 0 else 512))  # rank 0: cache; rank 1: a new round alone
 outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=256)  # both: a new call that fits
-result.update(a=a[0], b=b[0], outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
-              live=dev.live_bytes)
+result.update(a=a[0], b=b[0], b_secs=b[1], outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
-        "1st: None on both; 2nd: None on both (rank 1 after its timeout); 3rd: created on both (re-aligned)",
+        "1st: None on both; 2nd: None on both (rank 1, behind, gives way without waiting out its "
+        "timeout); 3rd: created on both (re-aligned)",
         lambda runs: (created_on_all(runs),
                       _expect([_res(runs, r)["a"] for r in (0, 1)] == ["none", "none"], runs),
-                      _expect([_res(runs, r)["b"] for r in (0, 1)] == ["none", "none"], runs))),
+                      _expect([_res(runs, r)["b"] for r in (0, 1)] == ["none", "none"], runs),
+                      _expect(_res(runs, 1)["b_secs"] < VOTE_TIMEOUT, runs))),
+    Scenario(
+        "cached veto on rank 1 while rank 0 makes a new call, then both agree again", 2,
+        _free("rank_lib.need_mb(max_token_num=2048) - 2 if RANK == 1 else None") + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+a = rank_lib.create(rank=RANK)  # both vetoed (rank 1 short): cached on both
+b = rank_lib.create(rank=RANK, max_token_num=(2048 if RANK == 1 else 512))  # rank 1: cache; rank 0: a new round alone
+outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=256)  # both: a new call that fits
+result.update(a=a[0], b=b[0], b_secs=b[1], outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes)
+""",
+        "the same with the roles of the ranks swapped: rank 0, behind, gives way at once "
+        "(its peer has made more calls) and both create on the third call",
+        lambda runs: (created_on_all(runs),
+                      _expect([_res(runs, r)["a"] for r in (0, 1)] == ["none", "none"], runs),
+                      _expect([_res(runs, r)["b"] for r in (0, 1)] == ["none", "none"], runs),
+                      _expect(_res(runs, 0)["b_secs"] < VOTE_TIMEOUT, runs))),
     Scenario(
         "comm_backend whose allgather returns fewer records than ranks", 2,
         _free() + """

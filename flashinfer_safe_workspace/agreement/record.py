@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Optional, Union
 
-WIRE = 4  # bump on any change of the fields below or of the values a round writes
+WIRE = 5  # bump on any change of the fields below or of the values a round writes
 
 from .._reasons import OK, REASON_TEXT
 
@@ -163,12 +163,14 @@ class Register:
 
 @dataclasses.dataclass(frozen=True)
 class Board:
-    """A rank's latest round on one rank set: which round, waiting or done, its arguments."""
+    """A rank's latest round on one rank set: which round, waiting or done, its arguments,
+    and how many calls it had made on the set when it opened that round (``board``)."""
 
     generation: int
     round: str  # "<call>/<n>"
     state: str  # "wait" | "no" | "done"
     args: dict = dataclasses.field(default_factory=dict)
+    calls: int = 0
     wire: int = WIRE
 
     def to_json(self) -> str:

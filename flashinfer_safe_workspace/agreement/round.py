@@ -1,5 +1,5 @@
-"""One decision's round in the c10d store: records, the proposal, acknowledgements, the
-register, and the board.
+"""One decision's round in the c10d store: records, the proposal, acknowledgements and the
+register (the peers' boards are read through ``board``).
 
 See ``vote`` for the agreement itself (what a record says, how the register decides, why
 keys cannot drift). This module is its transport over the store: which keys, when each
@@ -20,114 +20,13 @@ deadline's abort. Boards are read only on the slow path (a round still open afte
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
 import time
 from typing import Optional
 
-from . import explain as _explain, store as _store
+from . import board as _board, explain as _explain, store as _store
+from .board import BOARD_AFTER_S, BOARD_EVERY_S
 from .record import ABORT, COMMIT, PASS, PROPOSE, WAKE, Board, Record, Register, read_record
-from .vote import GRACE_S, REJOIN_S, Outcome, members_key, resolve
-
-
-class Book:
-    """This process's bookkeeping of rounds, per rank set (one instance, below): the next
-    round of each call, this rank's board generation, the peers' generations seen, and
-    the lock that serialises this rank's decisions on a set. Only this module writes it."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._next: dict = {}  # (members key, call) -> this rank's next round of that call
-        self._gens: dict = {}  # members key -> this rank's board generation
-        self._seen: dict = {}  # members key -> {peer rank: board generation seen}
-        self._set_locks: dict = {}  # members key -> lock serialising decisions on that set
-        self._boards: dict = {}  # members key -> ranks whose board entry exists (never deleted)
-
-    def set_lock(self, key: str) -> threading.Lock:
-        with self._lock:
-            return self._set_locks.setdefault(key, threading.Lock())
-
-    def next_round(self, mkey: str, call: str) -> int:
-        with self._lock:
-            return self._next.get((mkey, call), 0)
-
-    def consume(self, mkey: str, call: str, c: int) -> None:
-        with self._lock:
-            self._next[(mkey, call)] = max(self._next.get((mkey, call), 0), c + 1)
-
-    def new_generation(self, mkey: str) -> int:
-        with self._lock:
-            gen = self._gens[mkey] = self._gens.get(mkey, 0) + 1
-            return gen
-
-    def seen(self, mkey: str) -> dict:
-        with self._lock:
-            return dict(self._seen.get(mkey, {}))
-
-    def boards_known(self, mkey: str) -> set:
-        with self._lock:
-            return set(self._boards.get(mkey, ()))
-
-    def note_boards(self, mkey: str, ranks) -> None:
-        with self._lock:
-            self._boards.setdefault(mkey, set()).update(ranks)
-
-    def mark_seen(self, mkey: str, rank: int, gen: int) -> None:
-        with self._lock:
-            marks = self._seen.setdefault(mkey, {})
-            marks[rank] = max(marks.get(rank, 0), gen)
-
-
-BOOK = Book()
-
-
-def set_lock(key: str) -> threading.Lock:
-    return BOOK.set_lock(key)
-
-
-def _after_fork_in_child():
-    global BOOK
-    BOOK = Book()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
-BOARD_EVERY_S = 0.1  # and from then on this often
-POLL_S = 0.005  # only without a waiting line (a store without clone())
-
-
-def _text(raw) -> str:
-    if isinstance(raw, (bytes, bytearray)):
-        return bytes(raw).decode(errors="replace")
-    return "" if raw is None else str(raw)
-
-
-def _multi_set(s, keys: list, values: list) -> None:
-    if hasattr(s, "multi_set"):
-        s.multi_set(keys, values)
-    else:
-        for key, value in zip(keys, values):
-            s.set(key, value)
-
-
-def _wait_key(s, key: str, until: float) -> bool:
-    """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
-    connection raises (the caller then polls on its first line)."""
-    import datetime
-
-    left = until - time.monotonic()
-    if left <= 0:
-        return False
-    try:
-        s.wait([key], datetime.timedelta(seconds=left))
-    except Exception as exc:  # noqa: BLE001 - a timeout reads as False
-        if _store.is_timeout(exc):
-            return False
-        raise
-    return True
+from .vote import GRACE_S, Outcome, members_key, resolve
 
 
 class StoreRound:
@@ -137,10 +36,8 @@ class StoreRound:
     count of yes records), ``ready`` (``propose`` or ``wake``, written once), ``acks`` (the
     count of acknowledgements), ``reg`` (the register) and ``done``, where ``c`` counts
     this rank's rounds of that call on that rank set; and one board entry per rank,
-    ``fiws/<ranks>/board/<rank>``: ``{g: generation, k: round, s: wait|no|done, a:
-    arguments}``. A rank waiting for a peer whose board shows a newer generation at another
-    round knows the peer is making a different call right now (a mismatch): it aborts both
-    rounds at once and names both values.
+    ``fiws/<ranks>/board/<rank>`` (``record.Board``), read by ``board.Watch`` when a peer
+    is slow to come.
     """
 
     def __init__(self, line: "_store.StoreLine", ranks: tuple, me: int, ident: str,
@@ -155,8 +52,8 @@ class StoreRound:
         self.complete = False  # every record was in and said yes: no board needs a look
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._entry: Optional[Board] = None  # this rank's board entry for this round
-        self._aborted: dict = {}  # peer -> board generation of its round we aborted
-        self._done_at: dict = {}  # peer -> when we saw it finish that round
+        self.calls = 0  # this rank's calls on the rank set, this one included (``board``)
+        self._watch = _board.Watch(self)
 
     # -- keys
     @property
@@ -166,11 +63,15 @@ class StoreRound:
     def _k(self, *parts) -> str:
         return "/".join(["fiws", self.mkey, self.ident, str(self.c), *map(str, parts)])
 
-    def _board(self, rank) -> str:
-        return f"fiws/{self.mkey}/board/{rank}"
+    def _board_key(self, rank) -> str:
+        return _board.board_key(self.mkey, rank)
 
     def _rec_keys(self):
         return [self._k("rec", r) for r in self.ranks]
+
+    def call_store(self, fn):
+        """``fn(store)`` on the store line, bounded by the deadline and its grace."""
+        return self._call(fn)
 
     def _call(self, fn):
         # a store operation may finish a little after the round's deadline (the register
@@ -181,7 +82,8 @@ class StoreRound:
     def open(self) -> Optional[Outcome]:
         """This rank's round for the call; an Outcome if the group decided it already."""
         start = time.monotonic()
-        c = BOOK.next_round(self.mkey, self.ident)
+        self.calls = _board.count_call(self.mkey)
+        c = _board.BOOK.next_round(self.mkey, self.ident)
         for _ in range(64):  # bounded: stale commits of an earlier incarnation are skipped
             self.c = c
             reg_key = self._k("reg")
@@ -201,14 +103,14 @@ class StoreRound:
         return None
 
     def _consume(self):
-        BOOK.consume(self.mkey, self.ident, self.c)
+        _board.BOOK.consume(self.mkey, self.ident, self.c)
 
     def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
         keys = self._rec_keys()
         own_yes = record.is_yes()
-        self._entry = Board(BOOK.new_generation(self.mkey), self.round_name,
-                            "wait" if own_yes else "no", self.args)
+        self._entry = Board(_board.BOOK.new_generation(self.mkey), self.round_name,
+                            "wait" if own_yes else "no", self.args, self.calls)
         out = Outcome(False, key=self._k())
         if not own_yes:
             self._vote_no(out, record, keys)
@@ -227,13 +129,13 @@ class StoreRound:
         return out
 
     def _publish_ops(self, record: Record):
-        return [self._board(self.rank), self._k("rec", self.rank)], [
+        return [self._board_key(self.rank), self._k("rec", self.rank)], [
             self._entry.to_json(), record.to_json()]
 
     def _vote_no(self, out, record, keys) -> None:
         """A no needs nobody else: the abort first, then the wake-up, then the record."""
         why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
-               or f"rank {self.rank} said no: {record.no_text()}")
+               or f"rank {self.rank} said no: {record.no_store.text()}")
         value = Register(ABORT, self.rank, why, check=record.failed_check()).to_json()
         reg_key, ready_key = self._k("reg"), self._k("ready")
         names, values = self._publish_ops(record)
@@ -241,14 +143,14 @@ class StoreRound:
         def no(s):
             held = s.compare_set(reg_key, "", value)
             s.compare_set(ready_key, "", WAKE)
-            _multi_set(s, names, values)
+            _store.multi_set(s, names, values)
             return held
         reg = Register.from_json(self._call(no))
         self.published = True
         out.commit, out.register = reg.commit, reg
         out.records = self._records_if_all(keys) or [record]
         out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
-        self._mismatches(record, abort_theirs=True)
+        self._watch.mismatches(abort_theirs=True)
 
     def _vote_yes(self, out, record, keys, start) -> None:
         """Publish and count in, in one hand-off; the count that completes the set also
@@ -258,7 +160,7 @@ class StoreRound:
         arrived, size = self._k("arrived"), len(self.ranks)
 
         def publish(s):
-            _multi_set(s, names, values)
+            _store.multi_set(s, names, values)
             if s.add(arrived, 1) < size:
                 return None
             return s.multi_get(keys)
@@ -284,8 +186,8 @@ class StoreRound:
             until = self._store_until()
 
             def propose(s):
-                if _text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
-                    if not _wait_key(s, reg_key, until):
+                if _store.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
+                    if not _store.wait_key(s, reg_key, until):
                         return None
                 return s.get(reg_key)  # decided first (an abort woke us) or decided now
             kind, raw = self._await(propose, reg_key, self.deadline)
@@ -299,7 +201,7 @@ class StoreRound:
         noted: list = []
 
         def tick():
-            waiting, finished = self._mismatches(record, abort_theirs=True)
+            waiting, finished = self._watch.mismatches(abort_theirs=True)
             noted.extend(w for w in waiting if w.rank not in {n.rank for n in noted})
             if not finished:  # it decided another call without us: a mismatch
                 return None
@@ -310,7 +212,7 @@ class StoreRound:
         kind, value = self._await(self._acknowledging(), self._k("ready"), self.deadline, tick)
         if kind == "tick":
             out.commit, out.register = value.commit, value
-        elif kind == "poll" and _text(value) == PROPOSE:  # no waiting line: step by step
+        elif kind == "poll" and _store.text(value) == PROPOSE:  # no waiting line: step by step
             self._acknowledge(out)
         elif kind == "poll":
             self._follow(out, record, keys, self._read_register())
@@ -341,14 +243,14 @@ class StoreRound:
         commit = Register(COMMIT, self.rank, "every rank voted yes and acknowledged").to_json()
 
         def steps(s):
-            if not _wait_key(s, ready_key, until):
+            if not _store.wait_key(s, ready_key, until):
                 return None
-            if _text(s.get(ready_key)) != PROPOSE:
+            if _store.text(s.get(ready_key)) != PROPOSE:
                 return s.get(reg_key)  # written before any wake-up
             self.complete = True
             if s.add(acks_key, 1) >= need:
                 return s.compare_set(reg_key, "", commit)
-            return s.get(reg_key) if _wait_key(s, reg_key, until) else None
+            return s.get(reg_key) if _store.wait_key(s, reg_key, until) else None
         return steps
 
     def _acknowledge(self, out) -> None:
@@ -360,7 +262,7 @@ class StoreRound:
             reg = self._write(COMMIT, "every rank voted yes and acknowledged")
         else:
             reg_key = self._k("reg")
-            kind, raw = self._await(lambda s: s.get(reg_key) if _wait_key(
+            kind, raw = self._await(lambda s: s.get(reg_key) if _store.wait_key(
                 s, reg_key, self._store_until()) else None, reg_key, self.deadline)
             reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
@@ -378,47 +280,12 @@ class StoreRound:
         return self.deadline + GRACE_S + 1.0
 
     def _await(self, steps, poll_key: str, until: float, tick=None) -> tuple:
-        """Run ``steps(store)`` on this rank set's waiting line (it blocks in the store) and
-        wait for it in slices: ``("op", its value)``; ``("tick", x)`` when ``tick()`` (run
-        from BOARD_AFTER_S on, every BOARD_EVERY_S) returns x; ``(None, None)`` when
-        ``until`` passes first. Without a waiting line (or when it failed) ``poll_key`` is
-        polled on the first line instead: ``("poll", its value)``."""
-        line = _store.waiter(self.line_timeout, self.mkey)
-        op = line.submit(steps)
-        next_tick = time.monotonic() + BOARD_AFTER_S
-
+        """``steps(store)`` on this rank set's waiting line, polled on the first line where
+        there is none (``store.await_op``)."""
         def poll():
             return self._call(lambda s: s.get(poll_key) if s.check([poll_key]) else None)
-        try:
-            while True:
-                now = time.monotonic()
-                if now >= until:
-                    return None, None
-                wake = min(until, next_tick) if tick is not None else until
-                if op is not None:
-                    op.done.wait(max(min(_store.SLICE_S, wake - now), 0))
-                    if op.done.is_set():
-                        if op.error is None:
-                            return "op", op.value
-                        op = None  # the waiting line failed: poll on the first line
-                else:
-                    time.sleep(max(min(POLL_S, wake - now), 0))
-                    raw = poll()
-                    if raw is not None:
-                        return "poll", raw
-                now = time.monotonic()
-                if now < next_tick:
-                    continue
-                next_tick = now + BOARD_EVERY_S
-                if op is not None and not op.started:  # the line is held by another read
-                    raw = poll()
-                    if raw is not None:
-                        return "poll", raw
-                found = tick() if tick is not None else None
-                if found is not None:
-                    return "tick", found
-        finally:
-            _store.forget(line, op)
+        line = _store.waiter(self.line_timeout, self.mkey)
+        return _store.await_op(line, steps, poll, until, tick, BOARD_AFTER_S, BOARD_EVERY_S)
 
     def _read_register(self) -> Register:
         reg_key = self._k("reg")  # written before any ``wake``: it exists
@@ -445,93 +312,6 @@ class StoreRound:
         records = self._records_if_all(keys)
         if records:
             out.records, out.verdict = records, resolve(records)
-
-    def _read_boards(self, peers: list, until: float) -> tuple:
-        """``(seen, {peer: Board or None})``: the generations seen before the read, and the
-        peers' board entries in one ``multi_get`` (entries known to exist; an unknown one
-        is checked on its own until it appears: entries are never deleted)."""
-        known, mkey, board = BOOK.boards_known(self.mkey), self.mkey, self._board
-
-        def read(s):
-            seen = BOOK.seen(mkey)
-            found = [r for r in peers if r not in known and s.check([board(r)])]
-            have = [r for r in peers if r in known or r in found]
-            return seen, found, dict(zip(have, s.multi_get([board(r) for r in have])
-                                         if have else []))
-        seen, found, raw = self.line.call(read, until)
-        BOOK.note_boards(self.mkey, found)
-        return seen, {r: (Board.from_json(raw[r]) if r in raw else None) for r in peers}
-
-    def _mismatches(self, record, abort_theirs: bool) -> tuple:
-        """Peers whose board shows a call newer than the last one we saw, at another round:
-        ``(waiting, finished)`` pseudo-records (rank and arguments) for the message.
-
-        A peer *waiting* elsewhere is making another call right now: its round is aborted
-        (it learns at once, with both values) and its generation noted as seen, while we
-        keep waiting, since its next call may be ours (it answered an earlier call from its
-        veto cache or took a pass-through). A peer that *finished* another call without us
-        (said no, or was decided) will not come: the caller aborts its own round."""
-        peers = [r for r in self.ranks if r != self.rank]
-        try:  # bounded by the deadline itself: the waiting loop must be back by then
-            seen, boards = self._read_boards(peers, self.deadline)
-        except Exception:  # noqa: BLE001 - only an early exit; the deadline still holds
-            return [], []
-        waiting, finished = [], []
-        now = time.monotonic()
-        for rank in peers:
-            b = boards[rank]
-            verdict = self._judge(rank, b, seen, now)
-            if verdict is None:
-                continue
-            stand_in = Record.stand_in(rank, "other", b.args)
-            if verdict == "finished":
-                finished.append(stand_in)
-                continue
-            waiting.append(stand_in)
-            if abort_theirs:
-                self._abort_theirs(rank, b)
-        return waiting, finished
-
-    def _judge(self, rank: int, b: Optional[Board], seen: dict, now: float) -> Optional[str]:
-        """What a peer's board entry says about our round: ``"waiting"`` (it waits on
-        another call now), ``"finished"`` (it decided another call without us), or None."""
-        if b is None:
-            return None
-        if self._aborted.get(rank) == b.generation and b.state == "done":
-            # a peer whose other call we aborted has finished it: if it does not come to
-            # our round soon, it was a mismatch, not a call it made before ours
-            since = self._done_at.setdefault(rank, now)
-            return "finished" if now - since > REJOIN_S else None
-        if (rank in self._aborted and b.generation > self._aborted[rank]
-                and b.round != self.round_name):
-            # it finished the call we aborted and moved on to yet another one: it is not
-            # coming to ours; abort our round and leave its new one alone (we may join it)
-            return "finished"
-        if b.generation <= seen.get(rank, 0) or b.round == self.round_name:
-            return None
-        call, _, c = b.round.rpartition("/")
-        if BOOK.next_round(self.mkey, call) > int(c or 0):
-            # a round this rank already finished: old news, not a mismatch
-            BOOK.mark_seen(self.mkey, rank, b.generation)
-            return None
-        return "waiting" if b.state == "wait" else "finished"
-
-    def _abort_theirs(self, rank: int, b: Board) -> None:
-        """Abort a peer's round of another call (it learns at once, with both values)."""
-        call, _, c = b.round.rpartition("/")
-        their = "/".join(["fiws", self.mkey, call, c])
-        note = Register(ABORT, self.rank, "ranks called with different arguments",
-                        mismatch=(Record.stand_in(self.rank, self.ident, self.args),)).to_json()
-
-        def abort(s):
-            s.compare_set(their + "/reg", "", note)
-            s.compare_set(their + "/ready", "", WAKE)
-        try:
-            self._call(abort)
-        except Exception:  # noqa: BLE001 - only an early exit; its deadline still holds
-            pass
-        BOOK.mark_seen(self.mkey, rank, b.generation)
-        self._aborted[rank] = b.generation
 
     def _write(self, outcome: str, why: str, mismatch=(), check: str = "") -> Register:
         """``compare_set`` on the register (the first write wins; what it holds is returned);
@@ -572,21 +352,14 @@ class StoreRound:
         keys = self._rec_keys() + [self._k(k) for k in ("reg", "arrived", "ready", "acks")]
         keys.append(done_key)
         entry = self._entry if (self.published and not self.complete) else None
-        board_key = self._board(self.rank)
+        board_key = self._board_key(self.rank)
         peers = [] if self.complete else [r for r in self.ranks if r != self.rank]
-        known, board = BOOK.boards_known(mkey), self._board
 
         def wrap_up(s):
             if entry is not None:
                 s.set(board_key, dataclasses.replace(entry, state="done").to_json())
             if peers:
-                found = [r for r in peers if r not in known and s.check([board(r)])]
-                have = [r for r in peers if r in known or r in found]
-                BOOK.note_boards(mkey, found)
-                for rank, raw in zip(have, s.multi_get([board(r) for r in have]) if have else []):
-                    peer = Board.from_json(raw)
-                    if peer is not None:
-                        BOOK.mark_seen(mkey, rank, peer.generation)
+                _board.note_peers_seen(s, mkey, peers)
             if s.add(done_key, 1) >= size:
                 for key in keys:
                     try:

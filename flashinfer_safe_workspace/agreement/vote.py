@@ -22,9 +22,11 @@ A rank whose count is behind (it answered an earlier call from its veto cache, o
 pass-through, while a peer waited) finds a register already decided. It follows that
 register only if it is an ``abort`` that names its own call (the call it would have
 joined); a ``commit`` is never followed by a rank that did not publish in it, and a
-decided round of another call is skipped. So a skipped call costs at most one timed-out
-round and never misaligns later decisions for good: the next call re-aligns on the first
-undecided round. Keys of a round are deleted by the last rank to finish it.
+decided round of another call is skipped. A peer still waiting in a round of the call this
+rank skipped learns from the boards that this rank is ahead (``board``) and ends that round,
+so a skipped call costs one vetoed call and never misaligns later decisions: the next call
+re-aligns on the first undecided round. Keys of a round are deleted by the last rank to
+finish it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from typing import Any, Optional
 from .._reasons import INTERNAL_ERROR
 from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register
 
-REJOIN_S = 0.5  # a peer whose mismatched call we aborted gets this long to join our round
 GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
 # register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
 

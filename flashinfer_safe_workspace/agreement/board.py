@@ -1,0 +1,228 @@
+"""Rounds' bookkeeping in this process, and the board: where each rank is right now.
+
+Each rank keeps one board entry per rank set in the store, ``fiws/<ranks>/board/<rank>``
+(a :class:`~.record.Board`: its generation, its round, wait/no/done, its arguments, and how
+many calls it has made on that set). A rank still waiting for a peer after
+``BOARD_AFTER_S`` reads the peers' entries (one ``multi_get``) to tell a slow peer from one
+that is making another call:
+
+* a peer waiting at another round that has made *fewer* calls on the set, or as many, is
+  behind us or genuinely disagrees: its round is aborted (it learns at once, with both
+  values), and we keep waiting, since its next call may be ours;
+* a peer waiting at another round that has made *more* calls is ahead of us: it answered
+  our call from its veto cache (or took a pass-through) and waits in the next one. We do
+  not abort its round, which is the one we are about to join; our own round ends at once;
+* a peer that *finished* another call without us (said no, or was decided) will not come.
+
+The call count only orders which of two waiting rounds gives way, so that a rank that
+fell behind re-aligns on its next call; every outcome is still written to a register, so a
+wrong guess costs one call a veto, never a split.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Optional
+
+from .record import ABORT, WAKE, Board, Record, Register
+
+BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
+BOARD_EVERY_S = 0.1  # and from then on this often
+REJOIN_S = 0.5  # a peer whose mismatched call we aborted gets this long to join our round
+
+
+class Book:
+    """This process's bookkeeping of rounds, per rank set (one instance, ``BOOK``): the next
+    round of each call, this rank's board generation and call count, the peers'
+    generations seen, and the lock that serialises this rank's decisions on a set. Only
+    this module writes it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next: dict = {}  # (members key, call) -> this rank's next round of that call
+        self._gens: dict = {}  # members key -> this rank's board generation
+        self._calls: dict = {}  # members key -> calls this rank made on that set (cache hits too)
+        self._seen: dict = {}  # members key -> {peer rank: board generation seen}
+        self._set_locks: dict = {}  # members key -> lock serialising decisions on that set
+        self._boards: dict = {}  # members key -> ranks whose board entry exists (never deleted)
+
+    def set_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._set_locks.setdefault(key, threading.Lock())
+
+    def count_call(self, mkey: str) -> int:
+        with self._lock:
+            n = self._calls[mkey] = self._calls.get(mkey, 0) + 1
+            return n
+
+    def next_round(self, mkey: str, call: str) -> int:
+        with self._lock:
+            return self._next.get((mkey, call), 0)
+
+    def consume(self, mkey: str, call: str, c: int) -> None:
+        with self._lock:
+            self._next[(mkey, call)] = max(self._next.get((mkey, call), 0), c + 1)
+
+    def new_generation(self, mkey: str) -> int:
+        with self._lock:
+            gen = self._gens[mkey] = self._gens.get(mkey, 0) + 1
+            return gen
+
+    def seen(self, mkey: str) -> dict:
+        with self._lock:
+            return dict(self._seen.get(mkey, {}))
+
+    def boards_known(self, mkey: str) -> set:
+        with self._lock:
+            return set(self._boards.get(mkey, ()))
+
+    def note_boards(self, mkey: str, ranks) -> None:
+        with self._lock:
+            self._boards.setdefault(mkey, set()).update(ranks)
+
+    def mark_seen(self, mkey: str, rank: int, gen: int) -> None:
+        with self._lock:
+            marks = self._seen.setdefault(mkey, {})
+            marks[rank] = max(marks.get(rank, 0), gen)
+
+
+BOOK = Book()
+
+
+def set_lock(key: str) -> threading.Lock:
+    return BOOK.set_lock(key)
+
+
+def count_call(mkey: str) -> int:
+    """Count one call of this rank on the rank set ``mkey`` (a round or a cached answer)."""
+    return BOOK.count_call(mkey)
+
+
+def _after_fork_in_child():
+    global BOOK
+    BOOK = Book()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def board_key(mkey: str, rank) -> str:
+    return f"fiws/{mkey}/board/{rank}"
+
+
+def read_boards(line, mkey: str, peers: list, until: float) -> tuple:
+    """``(seen, {peer: Board or None})``: the generations seen before the read, and the
+    peers' board entries in one ``multi_get`` (entries known to exist; an unknown one is
+    checked on its own until it appears: entries are never deleted)."""
+    known = BOOK.boards_known(mkey)
+
+    def read(s):
+        seen = BOOK.seen(mkey)
+        found = [r for r in peers if r not in known and s.check([board_key(mkey, r)])]
+        have = [r for r in peers if r in known or r in found]
+        return seen, found, dict(zip(have, s.multi_get([board_key(mkey, r) for r in have])
+                                     if have else []))
+    seen, found, raw = line.call(read, until)
+    BOOK.note_boards(mkey, found)
+    return seen, {r: (Board.from_json(raw[r]) if r in raw else None) for r in peers}
+
+
+def note_peers_seen(s, mkey: str, peers: list) -> None:
+    """On the store thread: note every peer's current board generation as seen."""
+    known = BOOK.boards_known(mkey)
+    found = [r for r in peers if r not in known and s.check([board_key(mkey, r)])]
+    have = [r for r in peers if r in known or r in found]
+    BOOK.note_boards(mkey, found)
+    for rank, raw in zip(have, s.multi_get([board_key(mkey, r) for r in have]) if have else []):
+        peer = Board.from_json(raw)
+        if peer is not None:
+            BOOK.mark_seen(mkey, rank, peer.generation)
+
+
+class Watch:
+    """One round's look at its peers' boards (``StoreRound`` owns one)."""
+
+    def __init__(self, rnd):
+        self.rnd = rnd
+        self._aborted: dict = {}  # peer -> board generation of its round we aborted
+        self._done_at: dict = {}  # peer -> when we saw it finish that round
+
+    def mismatches(self, abort_theirs: bool) -> tuple:
+        """Peers whose board shows a call newer than the last one we saw, at another round:
+        ``(waiting, finished)`` stand-in records (rank and arguments) for the message.
+        ``waiting`` peers make another call right now and will come to ours afterwards;
+        ``finished`` peers will not come (the caller ends its own round)."""
+        rnd = self.rnd
+        peers = [r for r in rnd.ranks if r != rnd.rank]
+        try:  # bounded by the deadline itself: the waiting loop must be back by then
+            seen, boards = read_boards(rnd.line, rnd.mkey, peers, rnd.deadline)
+        except Exception:  # noqa: BLE001 - only an early exit; the deadline still holds
+            return [], []
+        waiting, finished = [], []
+        now = time.monotonic()
+        for rank in peers:
+            b = boards[rank]
+            verdict = self._judge(rank, b, seen, now)
+            if verdict is None:
+                continue
+            stand_in = Record.stand_in(rank, "other", b.args)
+            if verdict == "finished":
+                finished.append(stand_in)
+                continue
+            waiting.append(stand_in)
+            if abort_theirs:
+                self._abort_theirs(rank, b)
+        return waiting, finished
+
+    def _judge(self, rank: int, b: Optional[Board], seen: dict, now: float) -> Optional[str]:
+        """What a peer's board entry says about our round: ``"waiting"`` (it waits on
+        another call now and may come to ours next), ``"finished"`` (it will not come to
+        ours: it decided another call without us, or it is ahead of us), or None."""
+        rnd = self.rnd
+        if b is None:
+            return None
+        if self._aborted.get(rank) == b.generation and b.state == "done":
+            # a peer whose other call we aborted has finished it: if it does not come to
+            # our round soon, it was a mismatch, not a call it made before ours
+            since = self._done_at.setdefault(rank, now)
+            return "finished" if now - since > REJOIN_S else None
+        if (rank in self._aborted and b.generation > self._aborted[rank]
+                and b.round != rnd.round_name):
+            # it finished the call we aborted and moved on to yet another one: it is not
+            # coming to ours; abort our round and leave its new one alone (we may join it)
+            return "finished"
+        if b.generation <= seen.get(rank, 0) or b.round == rnd.round_name:
+            return None
+        call, _, c = b.round.rpartition("/")
+        if BOOK.next_round(rnd.mkey, call) > int(c or 0):
+            # a round this rank already finished: old news, not a mismatch
+            BOOK.mark_seen(rnd.mkey, rank, b.generation)
+            return None
+        if b.state != "wait":
+            return "finished"
+        if b.calls > rnd.calls:
+            # ahead of us: our call is one it answered without a round; it waits in the
+            # next one, which is ours to join. Leave its round alone and end ours.
+            return "finished"
+        return "waiting"
+
+    def _abort_theirs(self, rank: int, b: Board) -> None:
+        """Abort a peer's round of another call (it learns at once, with both values)."""
+        rnd = self.rnd
+        call, _, c = b.round.rpartition("/")
+        their = "/".join(["fiws", rnd.mkey, call, c])
+        note = Register(ABORT, rnd.rank, "ranks called with different arguments",
+                        mismatch=(Record.stand_in(rnd.rank, rnd.ident, rnd.args),)).to_json()
+
+        def abort(s):
+            s.compare_set(their + "/reg", "", note)
+            s.compare_set(their + "/ready", "", WAKE)
+        try:
+            rnd.call_store(abort)
+        except Exception:  # noqa: BLE001 - only an early exit; its deadline still holds
+            pass
+        BOOK.mark_seen(rnd.mkey, rank, b.generation)
+        self._aborted[rank] = b.generation

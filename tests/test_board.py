@@ -1,0 +1,84 @@
+"""The board: which of two ranks waiting in different rounds gives way.
+
+Real torch ``HashStore`` (the c10d store's in-process kind) behind a one-line stand-in for
+our store line; the round is a real ``StoreRound``, its peers' board entries real
+``record.Board`` values. Whatever the order in which the two ranks look at the boards, the
+rank that has made fewer calls on the set gives way, and the round of the rank ahead is
+never aborted: that is the round the one behind joins next.
+"""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from flashinfer_safe_workspace.agreement import board, round as round_
+from flashinfer_safe_workspace.agreement.record import ABORT, Board, Register
+
+
+class Line:
+    """What a round needs of a store line: ``call(fn, until)`` runs ``fn(store)``."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def call(self, fn, until):
+        return fn(self.store)
+
+    def submit(self, fn):  # pragma: no cover - not reached by these tests
+        raise AssertionError("no queued work expected")
+
+
+def _round(store, me, ident, calls):
+    rnd = round_.StoreRound(Line(store), (0, 1), me, ident, time.monotonic() + 5, "t",
+                            {"max_token_num": ident})
+    rnd.c, rnd.calls = 0, calls
+    return rnd
+
+
+def _peer_waits(store, rnd, peer, ident, calls):
+    entry = Board(generation=1, round=f"{ident}/0", state="wait", args={"x": ident}, calls=calls)
+    store.set(board.board_key(rnd.mkey, peer), entry.to_json())
+    return f"fiws/{rnd.mkey}/{ident}/0/reg"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_book(monkeypatch):
+    monkeypatch.setattr(board, "BOOK", board.Book())
+
+
+@pytest.mark.parametrize("mine, theirs, expect", [
+    (2, 3, "finished"),  # the peer is ahead: it answered our call from its cache
+    (3, 2, "waiting"),  # the peer is behind: it makes a call we skipped
+    (2, 2, "waiting"),  # the same count, different calls: a mismatch, both give way
+])
+def test_who_gives_way(mine, theirs, expect):
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callB", mine)
+    their_reg = _peer_waits(store, rnd, 1, "callC", theirs)
+    waiting, finished = board.Watch(rnd).mismatches(abort_theirs=True)
+    assert [r.rank for r in (waiting if expect == "waiting" else finished)] == [1]
+    assert not (finished if expect == "waiting" else waiting)
+    aborted = store.check([their_reg])
+    assert aborted == (expect == "waiting")
+    if aborted:
+        reg = Register.from_json(store.get(their_reg))
+        assert reg.outcome == ABORT and reg.mismatch[0].args == {"max_token_num": "callB"}
+
+
+def test_either_order_one_round_survives():
+    """Rank 1 fell behind (its call count is 2; rank 0, ahead, is at 3). Whichever looks
+    first, rank 1's round is the one that ends and rank 0's stays open for rank 1 to join."""
+    for first in (0, 1):
+        store = dist.HashStore()
+        board.BOOK = board.Book()
+        ahead, behind = _round(store, 0, "callC", 3), _round(store, 1, "callB", 2)
+        reg_ahead = _peer_waits(store, behind, 0, "callC", 3)
+        reg_behind = _peer_waits(store, ahead, 1, "callB", 2)
+        order = (ahead, behind) if first == 0 else (behind, ahead)
+        told = [board.Watch(r).mismatches(abort_theirs=True) for r in order]
+        by_round = dict(zip((r.ident for r in order), told))
+        assert [p.rank for p in by_round["callB"][1]] == [0]  # behind ends its own round
+        assert [p.rank for p in by_round["callC"][0]] == [1]  # ahead keeps waiting
+        assert not store.check([reg_ahead])  # the round to join was never aborted
+        assert store.check([reg_behind])
