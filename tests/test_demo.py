@@ -43,10 +43,11 @@ def test_a_starved_rank_vetoes_on_both_ranks():
     # its peer probed (the same plan) unless it arrived after the abort was written and
     # followed it without planning (then its line says so: no plan, no probe)
     assert (rows[1]["probe"], rows[1]["plan_bytes"]) in (("ok", _plan_bytes()), ("-", -1)), rows[1]
-    # HEADROOM_MB=auto over the demo's gloo WORLD: the small reserve, and the starved rank is
-    # left 64 MiB short of plan + headroom
-    assert all(r["headroom_bytes"] == 64 * MiB for r in rows if r["probe"] != "-")
-    assert rows[0]["free_bytes"] == _plan_bytes() + 64 * MiB - 64 * MiB
+    # HEADROOM_MB=auto over the demo's gloo WORLD: the small reserve (64 MiB); the starved
+    # rank is left --short-mb (default 64 MiB) short of plan + headroom
+    headroom, short = 64 * MiB, 64 * MiB
+    assert all(r["headroom_bytes"] == headroom for r in rows if r["probe"] != "-")
+    assert rows[0]["free_bytes"] == _plan_bytes() + headroom - short
 
 
 def test_with_room_everywhere_flashinfer_is_called_on_both():

@@ -42,30 +42,32 @@ def test_readme_engine_rows_match_the_verified_table():
     assert rows == verified
 
 
-def _layout_tree(text: str) -> set:
-    """The paths the README's Layout block names: an indented tree, two spaces a level."""
+def _layout_tree(text: str) -> list:
+    """The paths the README's Layout block names, in order, once per mention: an indented
+    tree, two spaces a level; a line indented deeper than one level below the folder
+    above it continues the description before it."""
     import re
 
     block = text[text.index("## Layout"):]
     block = block[:block.index("\n## ", 4)] if "\n## " in block[4:] else block
-    stack, out = [], set()
+    stack, out = [], []
     for line in block.splitlines():
         m = re.match(r"^    ( *)(\S+)(\s|$)", line)
         if not m or not re.match(r"^[\w.]+/?$", m.group(2)):
             continue
         depth = len(m.group(1)) // 2
+        if depth > len(stack):
+            continue  # a wrapped description
         del stack[depth:]
         name = m.group(2)
         path = "/".join(stack + [name.rstrip("/")])
-        out.add(path + ("/" if name.endswith("/") else ""))
+        out.append(path + ("/" if name.endswith("/") else ""))
         if name.endswith("/"):
             stack.append(name.rstrip("/"))
     return out
 
 
-def test_layout_section_is_the_package_tree():
-    """The README's Layout block names every module and folder of the package, in place."""
-    listed = _layout_tree((ROOT / "README.md").read_text())
+def _package_tree() -> set:
     pkg = ROOT / "flashinfer_safe_workspace"
     present = {"flashinfer_safe_workspace/", "flashinfer_safe_workspace.pth",
                "flashinfer_safe_workspace.start"}
@@ -74,4 +76,27 @@ def test_layout_section_is_the_package_tree():
             continue
         rel = "flashinfer_safe_workspace/" + str(path.relative_to(pkg))
         present.add(rel + "/" if path.is_dir() else rel)
-    assert listed == present, (sorted(listed - present), sorted(present - listed))
+    return present
+
+
+def test_layout_section_is_the_package_tree():
+    """The README's Layout block names every module and folder of the package, in place,
+    and each exactly once."""
+    listed = _layout_tree((ROOT / "README.md").read_text())
+    twice = sorted({p for p in listed if listed.count(p) > 1})
+    assert not twice, f"listed more than once: {twice}"
+    present = _package_tree()
+    assert set(listed) == present, (sorted(set(listed) - present), sorted(present - set(listed)))
+
+
+def test_layout_parser_sees_a_duplicate_and_skips_wrapped_descriptions():
+    """The parser the layout test relies on: a module named twice is named twice, and a
+    wrapped description line is not a module."""
+    block = ("## Layout\n\n"
+             "    pkg/\n"
+             "      a.py          one\n"
+             "                    and more words\n"
+             "      sub/\n"
+             "        b.py        two\n"
+             "      a.py          again\n")
+    assert _layout_tree(block) == ["pkg/", "pkg/a.py", "pkg/sub/", "pkg/sub/b.py", "pkg/a.py"]

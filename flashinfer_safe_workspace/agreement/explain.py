@@ -9,6 +9,7 @@ from typing import Optional
 from .. import _reasons as _rec
 from .record import NO, Candidate, Record
 from ..planning.plan import MiB
+from ..planning.probe import CUDA_ERROR_OUT_OF_MEMORY
 
 
 @dataclasses.dataclass
@@ -44,7 +45,7 @@ def describe(record: Record, cand: Candidate) -> str:
     """One rank's "no", in words."""
     where = _where(record, cand)
     if cand.reason in (_rec.OUT_OF_MEMORY, _rec.PROBE_ERROR) and cand.failed_bytes:
-        err = "CUDA_ERROR_OUT_OF_MEMORY" if cand.cuda_error == 2 else (
+        err = "CUDA_ERROR_OUT_OF_MEMORY" if cand.cuda_error == CUDA_ERROR_OUT_OF_MEMORY else (
             cand.cuda_error_name or f"CUDA error {cand.cuda_error}")
         what = "the headroom" if cand.failed_headroom else "cuMemCreate"
         free_text = f", {cand.free_bytes / (1 << 30):.2f} GiB free" if cand.free_bytes >= 0 else ""
@@ -74,43 +75,7 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
     verdict, records = outcome.verdict, outcome.records
     details, named, reasons = [], [], set()
     if verdict is not None and records and not verdict.commit:
-        def rank_of(pos):
-            r = records[pos]
-            if isinstance(r, Record) and r.rank is not None:
-                return r.rank
-            return ranks[pos] if pos < len(ranks) else pos
-
-        for name, by_value in verdict.mismatch:
-            by_value = dict(sorted(by_value.items(), key=lambda item: min(rank_of(p) for p in item[1])))
-            parts = [f"{value} on rank{'s' if len(pos) > 1 else ''} "
-                     f"{', '.join(str(rank_of(p)) for p in pos)}" for value, pos in by_value.items()]
-            details.append(f"{name} differs: " + "; ".join(parts))
-            reasons.add(_rec.ARG_MISMATCH)
-            for pos_list in by_value.values():
-                named.extend(rank_of(p) for p in pos_list)
-        if verdict.mismatch:
-            named = sorted(set(named))
-        for failure in verdict.checks:
-            parts = [f"{value} on rank{'s' if len(pos) > 1 else ''} "
-                     f"{', '.join(str(rank_of(p)) for p in pos)}" for value, pos in failure.by_value]
-            label = _rec.REASON_TEXT.get(failure.code, "failed")
-            details.append(f"check {failure.check}: {label}: {failure.text}"
-                           + (f" ({'; '.join(parts)})" if parts else ""))
-            reasons.add(failure.code)
-            for _, pos in failure.by_value:
-                named.extend(rank_of(p) for p in pos)
-        for pos in verdict.no + verdict.passing:
-            cand = records[pos].candidates.get(verdict.candidate) or Candidate(
-                NO, _rec.INTERNAL_ERROR, f"no {verdict.candidate} candidate")
-            details.append(describe(records[pos], cand))
-            reasons.add(cand.reason)
-            named.append(rank_of(pos))
-        for pos in verdict.plan_mismatch:
-            details.append(f"rank {rank_of(pos)}: its plan differs from the other ranks' "
-                           "(different GPU facts or FlashInfer release)")
-            named.append(rank_of(pos))
-        if not details:
-            details.append(verdict.why)
+        _from_verdict(verdict, records, ranks, details, named, reasons)
     elif record is not None and not record.is_yes():
         for cand in record.candidates.values():
             details.append(describe(record, cand))
@@ -133,3 +98,48 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
     message = head + "; ".join(details) + ". " + _advice(reasons)
     return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details),
                     tuple(sorted(reasons)))
+
+
+def _from_verdict(verdict, records, ranks, details: list, named: list, reasons: set) -> None:
+    """What a decided abort says: argument mismatches, failed cross-rank checks, every
+    rank's no, differing plans (appended to ``details``, ``named`` and ``reasons``)."""
+    def rank_of(pos):
+        r = records[pos]
+        if isinstance(r, Record) and r.rank is not None:
+            return r.rank
+        return ranks[pos] if pos < len(ranks) else pos
+
+    def holders(by_value) -> list:
+        """``"value on rank(s) a, b"`` for each ``(value, positions)``."""
+        return [f"{value} on rank{'s' if len(pos) > 1 else ''} "
+                f"{', '.join(str(rank_of(p)) for p in pos)}" for value, pos in by_value]
+
+    for name, by_value in verdict.mismatch:
+        by_value = dict(sorted(by_value.items(),
+                               key=lambda item: min(rank_of(p) for p in item[1])))
+        details.append(f"{name} differs: " + "; ".join(holders(by_value.items())))
+        reasons.add(_rec.ARG_MISMATCH)
+        for pos_list in by_value.values():
+            named.extend(rank_of(p) for p in pos_list)
+    if verdict.mismatch:
+        named[:] = sorted(set(named))
+    for failure in verdict.checks:
+        parts = holders(failure.by_value)
+        label = _rec.REASON_TEXT.get(failure.code, "failed")
+        details.append(f"check {failure.check}: {label}: {failure.text}"
+                       + (f" ({'; '.join(parts)})" if parts else ""))
+        reasons.add(failure.code)
+        for _, pos in failure.by_value:
+            named.extend(rank_of(p) for p in pos)
+    for pos in verdict.no + verdict.passing:
+        cand = records[pos].candidates.get(verdict.candidate) or Candidate(
+            NO, _rec.INTERNAL_ERROR, f"no {verdict.candidate} candidate")
+        details.append(describe(records[pos], cand))
+        reasons.add(cand.reason)
+        named.append(rank_of(pos))
+    for pos in verdict.plan_mismatch:
+        details.append(f"rank {rank_of(pos)}: its plan differs from the other ranks' "
+                       "(different GPU facts or FlashInfer release)")
+        named.append(rank_of(pos))
+    if not details:
+        details.append(verdict.why)

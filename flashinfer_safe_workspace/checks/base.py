@@ -1,8 +1,9 @@
 """What every check shares: the context it reads, its answer, and the path's traits.
 
 A check is a module with ``NAME``, ``CODE``, ``MODES`` (rows of docs/failure-modes.md),
-``RELEASES`` (where the release really fails, in words), ``applies(ctx)``, and
-``local(ctx) -> CheckResult`` and/or ``compare(records) -> Failure | None``.
+``RELEASES`` (where the release really fails, in words), ``applies(ctx)`` (:func:`every_release`
+for a check that applies everywhere), and ``local(ctx) -> CheckResult`` and/or
+``compare(records) -> Failure | None`` (:func:`differ` for "the ranks must agree on this").
 ``value`` is ``"k=v k=v"`` text: small, the same format on every rank, compared as text.
 """
 
@@ -98,12 +99,35 @@ def applying(records: list, name: str) -> list:
     return out
 
 
+def every_release(ctx) -> bool:
+    """``applies`` of a check that every release and path can fail."""
+    return True
+
+
 def group_by(pairs, key) -> tuple:
     """((value, positions), ...) sorted by first position."""
     by: dict = {}
     for pos, res in pairs:
         by.setdefault(key(res), []).append(pos)
     return tuple(sorted(((k, tuple(v)) for k, v in by.items()), key=lambda kv: kv[1][0]))
+
+
+def by_field(key: str):
+    """A grouping key for :func:`group_by`: ``"key=v"`` of a result's value (``"key=?"``
+    where the value has no ``key``)."""
+    return lambda res: f"{key}=" + fields(res.value).get(key, "?")
+
+
+def whole_value(res) -> str:
+    """A grouping key for :func:`group_by`: the result's whole value."""
+    return res.value
+
+
+def differ(records: list, name: str, key, code: int, text: str) -> Optional[Failure]:
+    """Check ``name`` failing with ``code`` when the ranks it applied on hold more than
+    one ``key(result)`` (who holds which, in the failure); None when they all agree."""
+    groups = group_by(applying(records, name), key)
+    return Failure(name, code, text, groups) if len(groups) > 1 else None
 
 
 def handle_of(ctx: Context) -> str:

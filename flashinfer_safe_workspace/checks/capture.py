@@ -7,7 +7,7 @@ decided answer in the veto cache is vetoed on every rank (the vote itself is CPU
 from __future__ import annotations
 
 from .. import _reasons as R
-from .base import fail, ok
+from .base import every_release, fail, ok
 
 NAME = "capture"
 CODE = R.CAPTURING
@@ -15,8 +15,7 @@ MODES = (10,)
 RELEASES = "every release (0.5.0–0.7.4)"
 
 
-def applies(ctx) -> bool:
-    return True
+applies = every_release
 
 
 def local(ctx):

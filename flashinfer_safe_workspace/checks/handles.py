@@ -8,7 +8,7 @@ CUDA_ERROR_NOT_PERMITTED, on that rank). 0.7.4 votes and falls back itself."""
 from __future__ import annotations
 
 from .. import _reasons as R
-from .base import Failure, applying, fail, fields, group_by, handle_of, ok
+from .base import by_field, differ, fail, handle_of, ok
 
 NAME = "handles"
 CODE = R.HANDLE_MISMATCH
@@ -32,8 +32,5 @@ def local(ctx):
 
 
 def compare(records):
-    groups = group_by(applying(records, NAME), lambda r: "handle=" + fields(r.value).get("handle", "?"))
-    if len(groups) > 1:
-        return Failure(NAME, R.HANDLE_MISMATCH, "ranks would choose different handle types "
-                       "(different exchanges: a hang)", groups)
-    return None
+    return differ(records, NAME, by_field("handle"), R.HANDLE_MISMATCH,
+                  "ranks would choose different handle types (different exchanges: a hang)")

@@ -8,7 +8,7 @@ allocator B4 is left to it."""
 from __future__ import annotations
 
 from .. import _reasons as R
-from .base import Failure, applying, fields, group_by, handle_of, ok
+from .base import Failure, applying, by_field, fields, group_by, handle_of, ok
 
 NAME = "hosts"
 CODE = R.HOSTS_SPAN
@@ -28,7 +28,7 @@ def local(ctx):
 
 def compare(records):
     pairs = applying(records, NAME)
-    hosts = group_by(pairs, lambda r: fields(r.value).get("host", "?"))
+    hosts = group_by(pairs, by_field("host"))
     if len(hosts) <= 1:
         return None
     facts = [fields(r.value) for _, r in pairs]
@@ -37,5 +37,4 @@ def compare(records):
             and "-" not in clusters:
         return None  # one NVLink domain with FABRIC handles
     return Failure(NAME, R.HOSTS_SPAN, f"the ranks span {len(hosts)} hosts but the transport "
-                   "is single-host (no FABRIC handles in one NVLink domain)",
-                   tuple((f"host={h}", p) for h, p in hosts))
+                   "is single-host (no FABRIC handles in one NVLink domain)", hosts)

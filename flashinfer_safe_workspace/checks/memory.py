@@ -78,10 +78,9 @@ def candidate(req, version, facts, everyone, auto, settings, headroom):
     except Exception as exc:  # noqa: BLE001 - the driver surprising us, or our bug
         internal_error("probe", exc)
         return no(settings.fail_open, R.PROBE_ERROR, f"{type(exc).__name__}: {exc}", **base), plan
-    reason = R.OK if res.ok else (R.OUT_OF_MEMORY if res.reason == 1 else R.PROBE_ERROR)
-    return no(res.ok, reason, res.failed_name, device=res.device,
-              free_bytes=res.free_bytes, failed_bytes=res.failed_bytes,
-              cuda_error=int(res.cuda_error or 0),
-              cuda_error_name=str(res.cuda_error_name or ""),
-              failed_headroom=res.failed_name == "headroom",
+    failed = res.failed
+    return no(res.ok, res.reason, failed.name, device=res.device, free_bytes=res.free_bytes,
+              failed_bytes=failed.size, cuda_error=int(failed.cuda_error or 0),
+              cuda_error_name=str(failed.cuda_error_name or ""),
+              failed_headroom=failed.name == "headroom",
               probe_ms=round(res.elapsed_s * 1000, 3), **base), plan

@@ -10,7 +10,7 @@ computing, so the ranks must agree on it."""
 from __future__ import annotations
 
 from .. import _reasons as R
-from .base import Failure, applying, fail, fields, group_by, ok
+from .base import by_field, differ, fail, ok
 
 NAME = "multicast"
 CODE = R.NO_MULTICAST
@@ -38,8 +38,6 @@ def local(ctx):
 
 
 def compare(records):
-    groups = group_by(applying(records, NAME), lambda r: "cc=" + fields(r.value).get("cc", "?"))
-    if len(groups) > 1:
-        return Failure(NAME, R.CONFIDENTIAL_COMPUTE, "ranks disagree on confidential computing "
-                       "(FlashInfer would pick different allocators)", groups)
-    return None
+    return differ(records, NAME, by_field("cc"), R.CONFIDENTIAL_COMPUTE,
+                  "ranks disagree on confidential computing (FlashInfer would pick different "
+                  "allocators)")

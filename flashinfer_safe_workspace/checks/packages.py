@@ -9,7 +9,7 @@ ranks (different installs build different kernels)."""
 from __future__ import annotations
 
 from .. import _reasons as R
-from .base import Failure, applying, fail, group_by, ok
+from .base import differ, every_release, fail, ok, whole_value
 
 NAME = "packages"
 CODE = R.PACKAGE_MISMATCH
@@ -17,8 +17,7 @@ MODES = (11,)
 RELEASES = "every release (raise at import to 0.7.1; JIT inside creation from 0.7.2)"
 
 
-def applies(ctx) -> bool:
-    return True
+applies = every_release
 
 
 def _matches(python: str, other: str, name: str) -> bool:
@@ -46,9 +45,5 @@ def local(ctx):
 
 
 def compare(records):
-    pairs = applying(records, NAME)
-    groups = group_by(pairs, lambda r: r.value)
-    if len(groups) > 1:
-        return Failure(NAME, R.PACKAGE_MISMATCH, "FlashInfer packages differ between ranks",
-                       groups)
-    return None
+    return differ(records, NAME, whole_value, R.PACKAGE_MISMATCH,
+                  "FlashInfer packages differ between ranks")

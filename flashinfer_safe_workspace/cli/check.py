@@ -134,13 +134,14 @@ def _probe_plan(r: dict, prober, plan):
     if result.ok:
         return "fits", (f"cuMemCreate of the whole plan ({plan.peak_bytes / MiB:.1f} MiB) plus "
                         f"{headroom // MiB} MiB headroom succeeded on cuda:{result.device}")
+    failed = result.failed
     if result.reason == _probe.OUT_OF_MEMORY:
-        what = "the headroom" if result.failed_name == "headroom" else result.failed_name
-        return "does-not-fit", (f"{what} ({result.failed_bytes / MiB:.1f} MiB) failed with "
-                                f"{result.cuda_error_name or 'out of memory'} on "
+        what = "the headroom" if failed.name == "headroom" else failed.name
+        return "does-not-fit", (f"{what} ({failed.size / MiB:.1f} MiB) failed with "
+                                f"{failed.cuda_error_name or 'out of memory'} on "
                                 f"cuda:{result.device}")
-    return "cannot-tell", (f"the probe failed with {result.cuda_error_name or 'an error'} "
-                           f"(not out-of-memory) on {result.failed_name}")
+    return "cannot-tell", (f"the probe failed with {failed.cuda_error_name or 'an error'} "
+                           f"(not out-of-memory) on {failed.name}")
 
 
 def format_check(r: dict) -> str:

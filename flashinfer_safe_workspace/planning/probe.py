@@ -26,18 +26,41 @@ from .._reasons import OK, OUT_OF_MEMORY, PROBE_ERROR
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 
 
+CUDA_ERROR_OUT_OF_MEMORY = 2  # the driver's CUresult for an allocation that does not fit
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedAllocation:
+    """The first allocation the probe could not make, and the driver's error for it."""
+
+    name: str  # a planned allocation's name, or "headroom"
+    size: int
+    cuda_error: int
+    cuda_error_name: str
+
+    @property
+    def reason(self) -> int:
+        return OUT_OF_MEMORY if self.cuda_error == CUDA_ERROR_OUT_OF_MEMORY else PROBE_ERROR
+
+
+NOTHING_FAILED = FailedAllocation("", 0, 0, "")
+
+
 @dataclasses.dataclass
 class ProbeResult:
+    """What one probe found: the device's memory, and whether the plan and the headroom
+    fit at once (``ok``) or which allocation failed first (``failed``)."""
+
     ok: bool
-    reason: int = OK
     device: int = -1
-    failed_name: str = ""
-    failed_bytes: int = 0
-    cuda_error: int = 0
-    cuda_error_name: str = ""
-    free_bytes: int = -1
+    free_bytes: int = -1  # cuMemGetInfo, before the first allocation (-1: not read)
     total_bytes: int = -1
     elapsed_s: float = 0.0
+    failed: FailedAllocation = NOTHING_FAILED
+
+    @property
+    def reason(self) -> int:
+        return OK if self.ok else self.failed.reason
 
 
 class ProbeUnavailable(RuntimeError):
@@ -267,9 +290,7 @@ class CudaProber:
                     else:  # cudaMalloc / cuMemAlloc / torch: a plain device allocation
                         created.append(("ptr", checked(drv.cuMemAlloc(max(int(size), 1)))))
                 except CudaError as exc:
-                    result.reason = OUT_OF_MEMORY if exc.code == 2 else PROBE_ERROR
-                    result.failed_name, result.failed_bytes = name, int(size)
-                    result.cuda_error, result.cuda_error_name = exc.code, exc.name
+                    result.failed = FailedAllocation(name, int(size), exc.code, exc.name)
                     return result
             result.ok = True
             return result

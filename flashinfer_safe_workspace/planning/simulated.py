@@ -11,10 +11,9 @@ from typing import Optional
 
 from .plan import DEFAULT_GRANULARITY, Facts, Plan, round_up
 from . import rankfacts as _rf
-from .probe import ProbeResult, capturing, flashinfer_picks_fabric
+from .probe import (CUDA_ERROR_OUT_OF_MEMORY, FailedAllocation, ProbeResult, capturing,
+                    flashinfer_picks_fabric)
 from .rankfacts import Fabric, RankFacts
-
-from .._reasons import OUT_OF_MEMORY
 
 
 # what a SimulatedDevice answers for the checks unless a test sets it (per rank)
@@ -135,9 +134,8 @@ class SimulatedDevice:
                 if self.error is not None and index == 1:
                     raise self.error
                 if self.live_bytes + size > self.free_bytes:
-                    result.reason = OUT_OF_MEMORY
-                    result.failed_name, result.failed_bytes = name, size
-                    result.cuda_error, result.cuda_error_name = 2, "CUDA_ERROR_OUT_OF_MEMORY"
+                    result.failed = FailedAllocation(name, size, CUDA_ERROR_OUT_OF_MEMORY,
+                                                     "CUDA_ERROR_OUT_OF_MEMORY")
                     return result
                 self.live_bytes += size
                 held.append(size)

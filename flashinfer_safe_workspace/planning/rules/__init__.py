@@ -15,12 +15,9 @@ for with these plans. Everything but ``cutedsl`` is pure Python (no torch, no CU
 
 from __future__ import annotations
 
-from .allocators import A_ROUNDING, SIGNAL_PAD
-from .common import element_size
-from .cutedsl import CUTEDSL_PLANNED_RANGES, CUTEDSL_TP_SIZES
+from .cutedsl import CUTEDSL_PLANNED_RANGES
 from .entry import needs_group_multicast_vote, plan_for
-from .mnnvl import MNNVL_MAX_BUFFER, MNNVL_ONE_SHOT_THRESHOLD
-from .trtllm import BARRIER_FLAG_COUNT, LAMPORT_BUFFERS, MAX_COMM_SIZE
+from .trtllm import MAX_COMM_SIZE
 from .versions import (
     NEWEST,
     RANGES,
@@ -33,9 +30,6 @@ from .versions import (
 )
 
 __all__ = [
-    "A_ROUNDING", "BARRIER_FLAG_COUNT", "CUTEDSL_PLANNED_RANGES", "CUTEDSL_TP_SIZES",
-    "LAMPORT_BUFFERS", "MAX_COMM_SIZE", "MNNVL_MAX_BUFFER", "MNNVL_ONE_SHOT_THRESHOLD",
-    "NEWEST", "RANGES", "SIGNAL_PAD", "Traits", "element_size", "flashinfer_version",
-    "is_unknown", "needs_group_multicast_vote", "parse_version", "plan_for",
-    "range_of", "traits",
+    "CUTEDSL_PLANNED_RANGES", "MAX_COMM_SIZE", "NEWEST", "RANGES", "Traits", "flashinfer_version",
+    "is_unknown", "needs_group_multicast_vote", "parse_version", "plan_for", "range_of", "traits",
 ]
