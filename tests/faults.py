@@ -105,6 +105,22 @@ def created_on_all(runs):
     _expect(all_or_none(runs), "expected a workspace on every rank")
 
 
+# the first call of "one rank's arguments rejected by FlashInfer": the backends differ, so
+# the calls do: a mismatch, seen in the records or in the register the rank followed
+FIRST_OF_REJECTED = told("ARG_MISMATCH")
+
+
+def _cached_reasons(runs, short: int):
+    """The cached-veto scenarios: the 1st call is refused for the short rank's memory on both
+    ranks; the 2nd is answered from the cache on the short rank (no decision line: None)
+    and refused as a mismatch, or by the abort it followed, on its peer."""
+    peer = 1 - short
+    _expect(_res(runs, short)["a_reasons"] == ["OUT_OF_MEMORY"], runs)
+    _expect(_res(runs, peer)["a_reasons"] in (["OUT_OF_MEMORY"], ["ABORTED"]), runs)
+    _expect(_res(runs, short)["b_reasons"] is None, runs)
+    _expect(_res(runs, peer)["b_reasons"] in (["ARG_MISMATCH"], ["ABORTED"]), runs)
+
+
 def _call(extra="", prelude="", **create):
     args = ", ".join(f"{k}={v}" for k, v in create.items())
     return f"""
@@ -296,15 +312,18 @@ if RANK == 1:
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 first = rank_lib.create(rank=RANK, backend=("bogus" if RANK == 1 else "trtllm"))
+first_reasons = rank_lib.last_reasons
 outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=1024)
 result.update(first=first[0], first_secs=first[1], first_err=first[2], outcome=outcome, secs=secs,
-              err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+              first_reasons=first_reasons, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "1st call: None on both, fast (FlashInfer would reject rank 1's call only: nobody enters it); "
         "2nd call: created on both (no misalignment)",
         lambda runs: (created_on_all(runs),
                       [_expect(_res(runs, r)["first"] == "none" and _res(runs, r)["first_secs"] < 1.0,
-                               _res(runs, r)) for r in (0, 1)])),
+                               _res(runs, r)) for r in (0, 1)],
+                      [_expect(_res(runs, r)["first_reasons"] in FIRST_OF_REJECTED, _res(runs, r))
+                       for r in (0, 1)])),
     Scenario(
         "the same bad argument on every rank", 2,
         _free() + """
@@ -320,9 +339,12 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         _free("rank_lib.need_mb(max_token_num=2048) - 2 if RANK == 0 else None") + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 a = rank_lib.create(rank=RANK)  # both vetoed (rank 0 short): cached on both
+a_reasons = rank_lib.last_reasons
 b = rank_lib.create(rank=RANK, max_token_num=(2048 if RANK == 0 else 512))  # rank 0: cache; rank 1: a new round alone
+b_reasons = rank_lib.last_reasons
 outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=256)  # both: a new call that fits
-result.update(a=a[0], b=b[0], b_secs=b[1], outcome=outcome, secs=secs, err=err,
+result.update(a=a[0], b=b[0], b_secs=b[1], a_reasons=a_reasons, b_reasons=b_reasons,
+              outcome=outcome, secs=secs, err=err,
               calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "1st: None on both; 2nd: None on both (rank 1, behind, gives way without waiting out its "
@@ -330,15 +352,19 @@ result.update(a=a[0], b=b[0], b_secs=b[1], outcome=outcome, secs=secs, err=err,
         lambda runs: (created_on_all(runs),
                       _expect([_res(runs, r)["a"] for r in (0, 1)] == ["none", "none"], runs),
                       _expect([_res(runs, r)["b"] for r in (0, 1)] == ["none", "none"], runs),
-                      _expect(_res(runs, 1)["b_secs"] < VOTE_TIMEOUT, runs))),
+                      _expect(_res(runs, 1)["b_secs"] < VOTE_TIMEOUT, runs),
+                      _cached_reasons(runs, short=0))),
     Scenario(
         "cached veto on rank 1 while rank 0 makes a new call, then both agree again", 2,
         _free("rank_lib.need_mb(max_token_num=2048) - 2 if RANK == 1 else None") + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 a = rank_lib.create(rank=RANK)  # both vetoed (rank 1 short): cached on both
+a_reasons = rank_lib.last_reasons
 b = rank_lib.create(rank=RANK, max_token_num=(2048 if RANK == 1 else 512))  # rank 1: cache; rank 0: a new round alone
+b_reasons = rank_lib.last_reasons
 outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=256)  # both: a new call that fits
-result.update(a=a[0], b=b[0], b_secs=b[1], outcome=outcome, secs=secs, err=err,
+result.update(a=a[0], b=b[0], b_secs=b[1], a_reasons=a_reasons, b_reasons=b_reasons,
+              outcome=outcome, secs=secs, err=err,
               calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "the same with the roles of the ranks swapped: rank 0, behind, gives way at once "
@@ -346,7 +372,8 @@ result.update(a=a[0], b=b[0], b_secs=b[1], outcome=outcome, secs=secs, err=err,
         lambda runs: (created_on_all(runs),
                       _expect([_res(runs, r)["a"] for r in (0, 1)] == ["none", "none"], runs),
                       _expect([_res(runs, r)["b"] for r in (0, 1)] == ["none", "none"], runs),
-                      _expect(_res(runs, 0)["b_secs"] < VOTE_TIMEOUT, runs))),
+                      _expect(_res(runs, 0)["b_secs"] < VOTE_TIMEOUT, runs),
+                      _cached_reasons(runs, short=1))),
     Scenario(
         "comm_backend whose allgather returns fewer records than ranks", 2,
         _free() + """
@@ -523,10 +550,11 @@ if RANK == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(1.5)
 outcome, secs, err = rank_lib.create(rank=RANK)
-result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
         "rank 0: None at its deadline (the dead rank's yes is never acknowledged); FlashInfer not entered",
-        none_on([0]), env={"FIWS_LINGER_S": "1"}, host=False),
+        none_on([0]), env={"FIWS_LINGER_S": "1"}, host=False,
+        reasons={0: (["ABSENT"], ["INCOMPLETE"], ["ABORTED"])}),
     Scenario(
         "rank vetoes at its deadline while the store host is stopped, then exits", 2,
         _free() + """
@@ -606,13 +634,15 @@ def scale_scenarios(world: int) -> list:
             _free(f"rank_lib.need_mb(world_size={world}) - 2 if RANK == {last} else None")
             + _call(prelude=meet, world_size=world),
             "None on every rank, within the bound", none_on(), env={"CUDA_VISIBLE_DEVICES": ""},
-            timeout=240),
+            timeout=240, reasons={r: (["OUT_OF_MEMORY"], ["ABORTED"]) if r != last else ["OUT_OF_MEMORY"]
+                                   for r in range(world)}),
         Scenario(
             f"{world} ranks: rank {last} dead before its record", world,
             _free() + f"alive = dist.new_group(list(range({last})))\nif RANK == {last}:\n"
             "    os._exit(1)\n" + _call(prelude="dist.barrier(group=alive)", world_size=world),
             "None on every other rank, within the bound", none_on(list(range(last))),
-            env={"FIWS_LINGER_S": "3", "CUDA_VISIBLE_DEVICES": ""}, host=False, timeout=240),
+            env={"FIWS_LINGER_S": "3", "CUDA_VISIBLE_DEVICES": ""}, host=False, timeout=240,
+            reasons={r: (["ABSENT"], ["ABORTED"]) for r in range(last)}),
         Scenario(
             f"{world} ranks: store host stopped for 2 s inside a round", world,
             _free() + """
