@@ -22,7 +22,8 @@ dev = rank_lib.setup(free_mb=None, sim=SIM.get(RANK, {{}}), on_veto="raise")
 outcome, secs, err = rank_lib.create(rank=RANK, backend={backend!r})
 d = rank_lib.last_decision() or {{}}
 result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
-              check=d.get("check"), exports=getattr(dev, "exports_live", 0))
+              check=d.get("check"), exports=getattr(dev, "exports_live", 0),
+              reasons=rank_lib.last_reasons, line_reasons=d.get("reasons"))
 """
 
 
@@ -44,13 +45,25 @@ def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2, 
                              internal_errors=internal_errors))
 
 
+def _carries(r, code) -> bool:
+    """The rank's veto carries ``code`` by name (WorkspaceVetoed.reasons and its decision
+    line's ``reasons=``). A rank that arrived after the register was decided follows it
+    with ABORTED: the deciding rank's reasons reach it as text, the check by name."""
+    name = R.NAMES[code]
+    if name in (r["reasons"] or []) and name in (r["line_reasons"] or []):
+        return True
+    return r["reasons"] == ["ABORTED"] and "decided before this rank arrived" in r["err"]
+
+
 def assert_vetoed(rs, check, code):
+    assert any(R.NAMES[code] in (r["reasons"] or []) for r in rs), rs  # the code, by name
     for r in rs:
         assert r["outcome"] == "vetoed", r
         assert r["calls"] == 0, r  # FlashInfer entered on no rank
         assert r["check"] == check, r
         assert check == "memory" or f"check {check}" in r["err"], r
         assert (R.REASON_TEXT[code] if check != "memory" else "OUT_OF_MEMORY") in r["err"], r
+        assert _carries(r, code), r
         assert "Traceback" not in r["err"]
 
 
@@ -75,7 +88,7 @@ rank_lib.setup(free_mb=None, on_veto="raise")
 outcome, secs, err = rank_lib.create(rank=RANK % 2, comm_backend=TorchDistBackend(tp))
 d = rank_lib.last_decision() or {}
 result.update(outcome=outcome, err=err, calls=len(rank_lib.calls), check=d.get("check"),
-              secs=secs)
+              secs=secs, reasons=rank_lib.last_reasons, line_reasons=d.get("reasons"))
 """
     old = results(run_ranks(4, "VERSION = '0.6.10'\n" + body, timeout=120))
     assert_vetoed(old, "group", R.RENDEZVOUS_GROUP)
@@ -163,15 +176,17 @@ def test_mode12_memory_is_a_check():
 
 
 def test_a_check_that_errors_fails_closed():
-    # one injected fault: the facts fail, and every check that needs them reports it
-    rs = run({0: {"facts_error": RuntimeError("nvml exploded")}},
-             internal_errors=("rank_facts", "check.capture", "check.packages", "check.multicast"))
+    # one injected fault: the facts fail, reported once where they are read; every check
+    # that needs them fails closed with CHECK_ERROR without reporting it again
+    rs = run({0: {"facts_error": RuntimeError("nvml exploded")}}, internal_errors=("rank_facts",))
     for r in rs:
         # a check that needs the facts (the first on the rank that decided; the register names it)
         assert r["check"] in ("capture", "packages", "multicast"), r
         assert r["outcome"] == "vetoed" and r["calls"] == 0, r
         assert R.REASON_TEXT[R.CHECK_ERROR] in r["err"] and "nvml exploded" in r["err"], r
+        assert _carries(r, R.CHECK_ERROR), r
         assert "Traceback" not in r["err"]
+    assert any("CHECK_ERROR" in (r["reasons"] or []) for r in rs), rs
 
 
 def test_package_versions_read_cheaply_match_the_metadata():
