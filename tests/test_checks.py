@@ -9,6 +9,7 @@ import pytest
 
 from harness import results, run_ranks
 from flashinfer_safe_workspace import _reasons as R
+import flashinfer_safe_workspace.checks  # noqa: F401 - imported before any test's strict recorder
 
 BODY = """
 import rank_lib, flashinfer
@@ -223,3 +224,52 @@ def test_failure_modes_doc_names_tests_that_exist():
             path, _, name = ref.rpartition("::")
             text = (root / (path or "tests/test_checks.py")).read_text()
             assert f"def {name}(" in text, ref
+
+
+def _ctx(settings=None, **sim):
+    from flashinfer_safe_workspace import _config, checks
+    from flashinfer_safe_workspace.agreement.group import Members
+    from flashinfer_safe_workspace.planning.plan import Request
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
+
+    req = Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16")
+    return checks.Context(req, "0.7.4", checks.traits_for("0.7.4"),
+                          Members("local", (0, 1), 0, "test"), settings or _config.current(),
+                          {}, SimulatedDevice(80 << 30, **sim).rank_facts())
+
+
+@pytest.mark.internal_errors("check.capture")
+def test_a_check_with_a_bug_fails_closed_with_its_own_reason(monkeypatch):
+    """A check that raises (a bug, not missing facts) is a no with CHECK_ERROR naming the
+    check, reported once as an internal error at its own site; FAIL_OPEN turns it into a yes
+    (still CHECK_ERROR, so the decision line says why)."""
+    from flashinfer_safe_workspace import _config, checks
+    from flashinfer_safe_workspace.checks import capture
+
+    def broken(ctx):
+        raise ValueError("a bug in the capture check")
+
+    monkeypatch.setattr(capture, "local", broken)
+    results = checks.run_local(_ctx())
+    res = results["capture"]
+    assert (res.ok, res.code, res.value) == (False, R.CHECK_ERROR, "check=capture")
+    assert "ValueError: a bug in the capture check" in res.note
+    assert checks.first_failure(results)[0] == "capture"
+    assert all(r.ok for n, r in results.items() if n != "capture")  # the others still ran
+    opened = checks.run_local(_ctx(_config.reload(fail_open=True)))["capture"]
+    assert opened.ok and opened.code == R.CHECK_ERROR
+
+
+def test_a_comparison_that_errors_fails_closed(monkeypatch):
+    """A cross-rank comparison that raises is a Failure with CHECK_ERROR for that check
+    (pure: every rank computes it from the same records); the other comparisons still run."""
+    from flashinfer_safe_workspace import checks
+    from flashinfer_safe_workspace.checks import packages
+
+    def broken(records):
+        raise KeyError("field")
+
+    monkeypatch.setattr(packages, "compare", broken)
+    failures = checks.compare([])
+    assert [(f.check, f.code) for f in failures] == [("packages", R.CHECK_ERROR)]
+    assert "comparison failed: KeyError" in failures[0].text
