@@ -124,6 +124,13 @@ for entry in {entries!r}:
 """
 
 
+def test_start_file_shares_the_pth_base_name():
+    """Python 3.15's site.py silently skips the ``import`` lines of ``NAME.pth`` when a
+    ``NAME.start`` exists beside it (site docs, PEP 829): the two names must match, or 3.15
+    to 3.17 would run both paths."""
+    assert PTH.suffix == ".pth" and START.suffix == ".start" and PTH.stem == START.stem
+
+
 @pytest.mark.parametrize("value,active", [("1", True), (None, False), ("0", False)])
 def test_start_file_resolved_as_pep_829_does(value, active):
     """The documented resolution: each ``pkg.mod:callable`` line through

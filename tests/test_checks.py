@@ -9,6 +9,7 @@ import pytest
 
 from harness import results, run_ranks
 from flashinfer_safe_workspace import _reasons as R
+import flashinfer_safe_workspace.checks  # noqa: F401 - imported before any test's strict recorder
 
 BODY = """
 import rank_lib, flashinfer
@@ -22,7 +23,8 @@ dev = rank_lib.setup(free_mb=None, sim=SIM.get(RANK, {{}}), on_veto="raise")
 outcome, secs, err = rank_lib.create(rank=RANK, backend={backend!r})
 d = rank_lib.last_decision() or {{}}
 result.update(outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
-              check=d.get("check"), exports=getattr(dev, "exports_live", 0))
+              check=d.get("check"), exports=getattr(dev, "exports_live", 0),
+              reasons=rank_lib.last_reasons, line_reasons=d.get("reasons"))
 """
 
 
@@ -44,13 +46,25 @@ def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2, 
                              internal_errors=internal_errors))
 
 
+def _carries(r, code) -> bool:
+    """The rank's veto carries ``code`` by name (WorkspaceVetoed.reasons and its decision
+    line's ``reasons=``). A rank that arrived after the register was decided follows it
+    with ABORTED: the deciding rank's reasons reach it as text, the check by name."""
+    name = R.NAMES[code]
+    if name in (r["reasons"] or []) and name in (r["line_reasons"] or []):
+        return True
+    return r["reasons"] == ["ABORTED"] and "decided before this rank arrived" in r["err"]
+
+
 def assert_vetoed(rs, check, code):
+    assert any(R.NAMES[code] in (r["reasons"] or []) for r in rs), rs  # the code, by name
     for r in rs:
         assert r["outcome"] == "vetoed", r
         assert r["calls"] == 0, r  # FlashInfer entered on no rank
         assert r["check"] == check, r
         assert check == "memory" or f"check {check}" in r["err"], r
         assert (R.REASON_TEXT[code] if check != "memory" else "OUT_OF_MEMORY") in r["err"], r
+        assert _carries(r, code), r
         assert "Traceback" not in r["err"]
 
 
@@ -75,7 +89,7 @@ rank_lib.setup(free_mb=None, on_veto="raise")
 outcome, secs, err = rank_lib.create(rank=RANK % 2, comm_backend=TorchDistBackend(tp))
 d = rank_lib.last_decision() or {}
 result.update(outcome=outcome, err=err, calls=len(rank_lib.calls), check=d.get("check"),
-              secs=secs)
+              secs=secs, reasons=rank_lib.last_reasons, line_reasons=d.get("reasons"))
 """
     old = results(run_ranks(4, "VERSION = '0.6.10'\n" + body, timeout=120))
     assert_vetoed(old, "group", R.RENDEZVOUS_GROUP)
@@ -163,15 +177,17 @@ def test_mode12_memory_is_a_check():
 
 
 def test_a_check_that_errors_fails_closed():
-    # one injected fault: the facts fail, and every check that needs them reports it
-    rs = run({0: {"facts_error": RuntimeError("nvml exploded")}},
-             internal_errors=("rank_facts", "check.capture", "check.packages", "check.multicast"))
+    # one injected fault: the facts fail, reported once where they are read; every check
+    # that needs them fails closed with CHECK_ERROR without reporting it again
+    rs = run({0: {"facts_error": RuntimeError("nvml exploded")}}, internal_errors=("rank_facts",))
     for r in rs:
         # a check that needs the facts (the first on the rank that decided; the register names it)
         assert r["check"] in ("capture", "packages", "multicast"), r
         assert r["outcome"] == "vetoed" and r["calls"] == 0, r
         assert R.REASON_TEXT[R.CHECK_ERROR] in r["err"] and "nvml exploded" in r["err"], r
+        assert _carries(r, R.CHECK_ERROR), r
         assert "Traceback" not in r["err"]
+    assert any("CHECK_ERROR" in (r["reasons"] or []) for r in rs), rs
 
 
 def test_package_versions_read_cheaply_match_the_metadata():
@@ -208,3 +224,52 @@ def test_failure_modes_doc_names_tests_that_exist():
             path, _, name = ref.rpartition("::")
             text = (root / (path or "tests/test_checks.py")).read_text()
             assert f"def {name}(" in text, ref
+
+
+def _ctx(settings=None, **sim):
+    from flashinfer_safe_workspace import _config, checks
+    from flashinfer_safe_workspace.agreement.group import Members
+    from flashinfer_safe_workspace.planning.plan import Request
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
+
+    req = Request("unified", "trtllm", 2, 0, 2048, 4096, "bfloat16")
+    return checks.Context(req, "0.7.4", checks.traits_for("0.7.4"),
+                          Members("local", (0, 1), 0, "test"), settings or _config.current(),
+                          {}, SimulatedDevice(80 << 30, **sim).rank_facts())
+
+
+@pytest.mark.internal_errors("check.capture")
+def test_a_check_with_a_bug_fails_closed_with_its_own_reason(monkeypatch):
+    """A check that raises (a bug, not missing facts) is a no with CHECK_ERROR naming the
+    check, reported once as an internal error at its own site; FAIL_OPEN turns it into a yes
+    (still CHECK_ERROR, so the decision line says why)."""
+    from flashinfer_safe_workspace import _config, checks
+    from flashinfer_safe_workspace.checks import capture
+
+    def broken(ctx):
+        raise ValueError("a bug in the capture check")
+
+    monkeypatch.setattr(capture, "local", broken)
+    results = checks.run_local(_ctx())
+    res = results["capture"]
+    assert (res.ok, res.code, res.value) == (False, R.CHECK_ERROR, "check=capture")
+    assert "ValueError: a bug in the capture check" in res.note
+    assert checks.first_failure(results)[0] == "capture"
+    assert all(r.ok for n, r in results.items() if n != "capture")  # the others still ran
+    opened = checks.run_local(_ctx(_config.reload(fail_open=True)))["capture"]
+    assert opened.ok and opened.code == R.CHECK_ERROR
+
+
+def test_a_comparison_that_errors_fails_closed(monkeypatch):
+    """A cross-rank comparison that raises is a Failure with CHECK_ERROR for that check
+    (pure: every rank computes it from the same records); the other comparisons still run."""
+    from flashinfer_safe_workspace import checks
+    from flashinfer_safe_workspace.checks import packages
+
+    def broken(records):
+        raise KeyError("field")
+
+    monkeypatch.setattr(packages, "compare", broken)
+    failures = checks.compare([])
+    assert [(f.check, f.code) for f in failures] == [("packages", R.CHECK_ERROR)]
+    assert "comparison failed: KeyError" in failures[0].text

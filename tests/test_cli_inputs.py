@@ -33,6 +33,13 @@ BAD = [
     ("plan --dtype int8", "--dtype"),
     ("plan --device -1", "--device"),
     ("plan --facts gpu", "--facts"),
+    ("plan --granularity 1", "at least 4096"),
+    ("plan --multicast-granularity 2048 --backend mnnvl", "--multicast-granularity"),
+    ("plan --granularity 4294967296", "--granularity"),
+    ("plan --entry legacy --backend mnnvl", "--entry legacy"),
+    ("plan --use-symm-dev-mem", "--use-symm-dev-mem"),
+    ("plan --entry bogus", "--entry"),
+    ("plan --flashinfer-version 1.2.3.4.5", "--flashinfer-version"),
     # check
     ("check", "--default-shape"),
     ("check --world-size 2 --simulate-free-mb 100", "--max-token-num"),
@@ -54,8 +61,11 @@ BAD = [
     ("demo --short-mb -1", "--short-mb"),
     ("demo --on-veto maybe", "--on-veto"),
     ("demo --mode tpu", "--mode"),
+    ("demo --mode gpu --world-size 64", "one CUDA GPU per rank"),  # no host here has 64
+    ("demo --world-size two", "--world-size"),
     # doctor and the top level
     ("doctor --bogus", "--bogus"),
+    ("doctor extra", "extra"),
     ("", "required"),
     ("frobnicate", "frobnicate"),
 ]
@@ -76,7 +86,10 @@ def test_bad_input_is_refused_clearly(line, names):
 
 
 GOOD = [  # (arguments, exit code, words the output must hold)
+    ("--version", 0, "flashinfer-safe-workspace 0."),
     ("plan --flashinfer-version 0.7.4", 0, "peak held"),
+    ("plan --flashinfer-version 0.5.0", 2, "rejects this call"),  # no unified API there
+    ("plan --flashinfer-version 0.7.4 --entry legacy --use-symm-dev-mem", 0, "peak held"),
     ("check --default-shape --simulate-free-mb 100000", 0, "fits"),
     ("check --default-shape --simulate-free-mb 10", 1, "does-not-fit"),
 ]
@@ -86,7 +99,7 @@ GOOD = [  # (arguments, exit code, words the output must hold)
 def test_documented_exit_codes(line, code, words):
     proc = cli(line)
     assert "Traceback" not in proc.stderr and proc.returncode == code, proc.stderr
-    assert words in proc.stdout
+    assert words in proc.stdout + proc.stderr
 
 
 def test_plan_warns_on_an_unmirrored_release_and_says_verified():

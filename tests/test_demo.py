@@ -57,3 +57,18 @@ def test_with_room_everywhere_flashinfer_is_called_on_both():
         assert r["vote"] == "yes" and r["probe"] == "ok" and r["reason"] == ""
         # CPU only: FlashInfer itself is called and fails on its own (no CUDA here)
         assert r["outcome"].startswith(("created", "FlashInfer was called")), r["outcome"]
+
+
+def test_text_says_flashinfer_s_own_error_after_a_pass_is_expected_without_a_gpu():
+    """On a machine without a GPU the vote passes and FlashInfer's own function then fails;
+    the text report says that this is expected (and that ``auto`` is the default answer)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_SAFE_WORKSPACE")}
+    proc = subprocess.run([sys.executable, "-m", "flashinfer_safe_workspace", "demo",
+                           "--mode", "simulated", "--world-size", "2", "--vote-timeout", "20"],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert "on_veto=auto" in proc.stdout.splitlines()[0]
+    ranks = [l for l in proc.stdout.splitlines() if l.startswith("  rank ")]
+    assert len(ranks) == 2 and all("vote of ranks [0, 1]: yes" in l for l in ranks), proc.stdout
+    if all("FlashInfer was called and raised" in l for l in ranks):  # no CUDA here
+        assert "without a GPU its error is expected here" in proc.stdout, proc.stdout

@@ -194,4 +194,51 @@ def test_text_lines_are_wrapped_and_the_cuda_error_said_once():
     rc, r = doctor_json("--no-import", **{VAR: "1"})
     if r["cuda"]["error"]:
         assert proc.stdout.count("CUDA:") == 1, proc.stdout
+        # the error's own words once in all (not again per check), and nothing on stderr
+        words = " ".join(r["cuda"]["error"].split()[-4:])
+        assert " ".join(proc.stdout.split()).count(words) == 1, proc.stdout
+        assert "internal error" not in proc.stderr, proc.stderr
     assert "activated by pth" in proc.stdout or "activated by start" in proc.stdout
+
+
+def test_doctor_lists_every_check_with_its_verdict():
+    """Every preflight check (``checks.ALL``), for both backends, in the JSON and in the
+    text, each with a verdict; with no driver here the checks that need the facts say
+    so in a few words and fail closed (CHECK_ERROR), as a decision would."""
+    from flashinfer_safe_workspace import _reasons as R, checks
+
+    names = [c.NAME for c in checks.ALL]
+    proc = doctor("--no-import")
+    rc, r = doctor_json("--no-import")
+    for backend in ("trtllm", "mnnvl"):
+        rows = r["checks"][backend]
+        assert [row["check"] for row in rows] == names
+        for row in rows:
+            line = next(l for l in proc.stdout.splitlines()
+                        if l.split()[:2] == [backend, row["check"]])
+            verdict = line.split()[2]
+            assert verdict in ("ok", "n/a", "per", "VETO"), line
+            if r["checks"]["facts_error"] and row["ok"] is False:
+                assert row["code"] == R.CHECK_ERROR and "facts" in line, line
+
+
+def test_checks_report_with_facts_gives_each_checks_answer():
+    """In-process with a simulated device that has no multicast: a named mnnvl vetoes on
+    the multicast check with NO_MULTICAST; trtllm passes it; shared-GPU does not apply to
+    trtllm (FlashInfer 0.7.4 handles it)."""
+    from flashinfer_safe_workspace import _config, _reasons as R
+    from flashinfer_safe_workspace.planning import probe as _probe
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
+
+    _probe.set_prober(SimulatedDevice(80 << 30, multicast=False))
+    rep = _doctor.checks_report("0.7.4", _config.current())
+    by = {b: {row["check"]: row for row in rep[b]} for b in ("trtllm", "mnnvl")}
+    assert rep["facts_error"] == "" and rep["facts"]["multicast"] is False
+    assert by["mnnvl"]["multicast"]["ok"] is False
+    assert by["mnnvl"]["multicast"]["code"] == R.NO_MULTICAST
+    assert "multicast=0" in by["mnnvl"]["multicast"]["value"]
+    assert by["trtllm"]["multicast"]["applies"] is False or by["trtllm"]["multicast"]["ok"]
+    assert by["trtllm"]["gpus"]["applies"] is False
+    assert by["trtllm"]["capture"]["ok"] and by["trtllm"]["capture"]["value"] == "capturing=0"
+    text = "\n".join(_doctor._format_checks(rep))
+    assert "mnnvl   multicast VETO (23)" in text, text

@@ -15,14 +15,14 @@ from .. import _reasons as R
 from .._log import internal_error
 from ..agreement.record import CheckResult
 from . import capture, deep, device, fabric, gpus, group, handles, hosts, memory, multicast, packages
-from .base import Context, Failure
+from .base import Context, Failure, FactsUnavailable
 
 LOCAL = (group, capture, packages, device, gpus, multicast, fabric, hosts, handles)
 CROSS = (packages, gpus, multicast, hosts, handles)
 ALL = LOCAL + (deep, memory)
 
-__all__ = ["ALL", "CROSS", "LOCAL", "Context", "Failure", "compare", "run_local", "first_failure",
-           "traits_for"]
+__all__ = ["ALL", "CROSS", "LOCAL", "Context", "Failure", "FactsUnavailable", "compare",
+           "run_local", "first_failure", "traits_for"]
 
 
 def traits_for(version):
@@ -42,7 +42,8 @@ def run_one(check, ctx) -> CheckResult:
             return CheckResult(True, R.OK, "", "", applies=False)
         return check.local(ctx)
     except Exception as exc:  # noqa: BLE001 - a check that fails is a no (or a yes with FAIL_OPEN)
-        internal_error(f"check.{check.NAME}", exc)
+        if not isinstance(exc, FactsUnavailable):  # that one was reported where it was read
+            internal_error(f"check.{check.NAME}", exc)
         return CheckResult(bool(getattr(ctx.settings, "fail_open", False)), R.CHECK_ERROR,
                            f"check={check.NAME}", f"{type(exc).__name__}: {exc}"[:300])
 

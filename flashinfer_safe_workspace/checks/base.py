@@ -16,6 +16,12 @@ from ..agreement.record import CheckResult
 from ..planning.rankfacts import RankFacts
 
 
+class FactsUnavailable(RuntimeError):
+    """This rank's facts could not be read: a check needing them fails closed with
+    ``CHECK_ERROR``. Whoever read the facts reported that failure once (``rank_facts``),
+    so the checks do not report it again as an internal error of their own."""
+
+
 @dataclasses.dataclass
 class Context:
     req: Any  # planning.plan.Request
@@ -30,7 +36,8 @@ class Context:
 
     def facts(self) -> RankFacts:
         if self.rank is None:
-            raise RuntimeError(self.extra.get("facts_error", "this rank's facts could not be read"))
+            raise FactsUnavailable(self.extra.get("facts_error")
+                                   or "this rank's facts could not be read")
         return self.rank
 
     @property

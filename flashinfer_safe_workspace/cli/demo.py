@@ -33,7 +33,15 @@ def _free_port() -> int:
 
 def run(args) -> int:
     """Parent: start the ranks, collect one JSON line from each, print them. Exit 0 when
-    every rank answered (a rank told to die excepted), 1 when one failed or hung."""
+    every rank answered (a rank told to die excepted), 1 when one failed or hung, 2 when
+    ``--mode gpu`` is asked for without a GPU per rank."""
+    if args.mode == "gpu":
+        found = _gpu_count()
+        if found < args.world_size:
+            print(f"python -m flashinfer_safe_workspace demo: error: --mode gpu needs one CUDA "
+                  f"GPU per rank ({args.world_size}); {found} here (--mode simulated, or auto, "
+                  "runs without)", file=sys.stderr)
+            return 2
     rows = _collect(args, _spawn(args))
     if args.json:
         for row in rows:
@@ -41,6 +49,16 @@ def run(args) -> int:
     else:
         _print_table(rows, args)
     return 0 if all(r.get("returncode") == 0 or r["rank"] == args.die_rank for r in rows) else 1
+
+
+def _gpu_count() -> int:
+    """CUDA devices torch sees here (0 without a driver or a CUDA build)."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - no usable CUDA: none
+        return 0
 
 
 def _spawn(args) -> list:
@@ -97,7 +115,9 @@ def _print_table(rows, args) -> None:
           f"starve_rank={args.starve_rank} on_veto={args.on_veto}")
     for row in rows:
         if "plan_bytes" not in row:
-            print(f"  rank {row['rank']}: {row['outcome']}")
+            tail = (row.get("stderr_tail") or "").strip().splitlines()
+            print(f"  rank {row['rank']}: {row['outcome']}"
+                  + (f" (last line: {tail[-1][:200]})" if tail else ""))
             continue
         free = row["free_bytes"]
         print(f"  rank {row['rank']} [{row['device_kind']}]: plan {row['plan_bytes'] / MiB:.1f} MiB"

@@ -17,6 +17,7 @@ from typing import Optional
 PTH_NAME = "flashinfer_safe_workspace.pth"
 START_NAME = "flashinfer_safe_workspace.start"  # PEP 829: run instead of the .pth line on 3.15+
 WIDTH = 100  # doctor's lines are wrapped to this many characters
+_FACTS_GONE = "FactsUnavailable"  # a check's note when this rank's facts could not be read
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -194,7 +195,8 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
     report["hooks_registered"] = _bootstrap.hooks_registered
     report["cuda"] = _cuda_report()
     report["facts"] = facts_report(report["cuda"])
-    report["checks"] = checks_report(report["flashinfer"].get("version"), settings)
+    report["checks"] = checks_report(report["flashinfer"].get("version"), settings,
+                                     driver_error=report["cuda"]["error"])
     report["waiting_for_flashinfer"] = _watching()
     report["active"] = bool(_patch.is_active()) or report["waiting_for_flashinfer"]
     # pth / start / plugin:vllm / plugin:sglang / plugin:aphrodite / sitecustomize / install()
@@ -203,9 +205,12 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
     return report
 
 
-def checks_report(version, settings, backends=("trtllm", "mnnvl")) -> dict:
+def checks_report(version, settings, backends=("trtllm", "mnnvl"),
+                  driver_error: Optional[str] = None) -> dict:
     """Every preflight check's verdict on this host, for a two-rank call per backend
-    (the cross-rank checks need peers: listed with their local facts)."""
+    (the cross-rank checks need peers: listed with their local facts). ``driver_error``:
+    the CUDA line's error, already said once; a check that needs the facts then names it
+    in a few words instead of repeating it."""
     from .. import checks as _checks
     from ..agreement.group import Members
     from ..planning import probe as _probe
@@ -216,11 +221,13 @@ def checks_report(version, settings, backends=("trtllm", "mnnvl")) -> dict:
     except Exception as exc:  # noqa: BLE001 - shown, and every check that needs them fails
         rank, error = None, f"{type(exc).__name__}: {exc}"
     out = {"facts_error": error, "facts": dataclasses.asdict(rank) if rank else None}
+    short = ("needs this rank's facts (no CUDA driver, above)"
+             if driver_error else f"needs this rank's facts, not read: {error}")
     for backend in backends:
         req = Request("unified", backend, 2, 0, 2048, 4096, "bfloat16")
         ctx = _checks.Context(req, version or "", _checks.traits_for(version),
                               Members("local", (0, 1), 0, "doctor"), settings, {}, rank,
-                              extra={"facts_error": error})
+                              extra={"facts_error": short})
         rows = _checks.run_local(ctx)
         out[backend] = [{"check": c.NAME, "modes": list(c.MODES), "releases": c.RELEASES,
                          **dataclasses.asdict(rows[c.NAME])} if c.NAME in rows else
@@ -230,16 +237,18 @@ def checks_report(version, settings, backends=("trtllm", "mnnvl")) -> dict:
     return out
 
 
-def _format_checks(rep: dict) -> list:
+def _format_checks(rep: dict, driver_error: Optional[str] = None) -> list:
     out = ["  preflight checks on this host (a 2-rank call, FlashInfer's release):"]
     if rep.get("facts_error"):
-        out.append(f"    facts: {rep['facts_error']}")
+        out.append("    facts: not read (no CUDA driver: see CUDA above)" if driver_error
+                   else f"    facts: {rep['facts_error']}")
     for backend in ("trtllm", "mnnvl"):
         for row in rep.get(backend, []):
             verdict = ("n/a" if row["applies"] is False else "per call" if row["ok"] is None
                        else "ok" if row["ok"] else f"VETO ({row['code']})")
-            out.append(f"    {backend:7s} {row['check']:9s} {verdict:10s} {row['value']}"
-                       + (f" - {row['note']}" if row.get("note") else ""))
+            note = str(row.get("note") or "").replace(f"{_FACTS_GONE}: ", "")
+            out.append((f"    {backend:7s} {row['check']:9s} {verdict:10s} {row['value']}"
+                        + (f" - {note}" if note else "")).rstrip())
     return out
 
 
@@ -342,7 +351,7 @@ def format_doctor(r: dict) -> str:
 
         out.append("  " + format_facts(r["facts"]))
     if r.get("checks"):
-        out += _format_checks(r["checks"])
+        out += _format_checks(r["checks"], cuda["error"])
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
     from ..audit import compare as _audit
     from .. import _caller

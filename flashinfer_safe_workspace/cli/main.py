@@ -44,10 +44,14 @@ def _whole(low: int, high: int = INT_MAX):
     return parse
 
 
+MIN_GRANULARITY = 4096  # bytes: no CUDA device reports a smaller allocation granularity
+
+
 def _power_of_two(text: str) -> int:
     value = _whole(1)(text)
-    if value & (value - 1):
-        raise argparse.ArgumentTypeError(f"must be a power of two (bytes), got {value}")
+    if value & (value - 1) or value < MIN_GRANULARITY:
+        raise argparse.ArgumentTypeError(
+            f"must be a power of two of at least {MIN_GRANULARITY} bytes, got {value}")
     return value
 
 
@@ -168,7 +172,11 @@ def _add_check(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .._version import __version__
+
     parser = argparse.ArgumentParser(prog="python -m flashinfer_safe_workspace", epilog=EPILOG)
+    parser.add_argument("--version", action="version",
+                        version=f"flashinfer-safe-workspace {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{demo,plan,check,doctor}")
     _add_demo(sub)
@@ -193,6 +201,11 @@ def _refusal(args) -> str:
         for k, v in DEFAULT_SHAPE.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
+    if args.command == "plan" and args.entry == "legacy" and args.backend != "trtllm":
+        return (f"--backend {args.backend} with --entry legacy: the legacy function has no "
+                "backend (it is trtllm's)")
+    if args.command == "plan" and args.use_symm_dev_mem and args.entry != "legacy":
+        return "--use-symm-dev-mem is an argument of the legacy function: add --entry legacy"
     if args.command == "demo" and args.world_size > DEMO_MAX_RANKS:
         return f"--world-size {args.world_size}: the demo starts at most {DEMO_MAX_RANKS} ranks"
     ws = getattr(args, "world_size", None)
