@@ -48,12 +48,10 @@ def run(sim, *, backend="trtllm", version="", env=None, rank_env=None, world=2, 
 
 def _carries(r, code) -> bool:
     """The rank's veto carries ``code`` by name (WorkspaceVetoed.reasons and its decision
-    line's ``reasons=``). A rank that arrived after the register was decided follows it
-    with ABORTED: the deciding rank's reasons reach it as text, the check by name."""
+    line's ``reasons=``), also on a rank that arrived after the register was decided: the
+    register carries the deciding cause's codes."""
     name = R.NAMES[code]
-    if name in (r["reasons"] or []) and name in (r["line_reasons"] or []):
-        return True
-    return r["reasons"] == ["ABORTED"] and "decided before this rank arrived" in r["err"]
+    return name in (r["reasons"] or []) and name in (r["line_reasons"] or [])
 
 
 def assert_vetoed(rs, check, code):

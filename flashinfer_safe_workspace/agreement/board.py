@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Optional
 
+from .._reasons import ARG_MISMATCH
 from .record import ABORT, WAKE, Board, Record, Register
 
 BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
@@ -215,7 +216,8 @@ class Watch:
         call, _, c = b.round.rpartition("/")
         their = "/".join(["fiws", rnd.mkey, call, c])
         note = Register(ABORT, rnd.rank, "ranks called with different arguments",
-                        mismatch=(Record.stand_in(rnd.rank, rnd.ident, rnd.args),)).to_json()
+                        mismatch=(Record.stand_in(rnd.rank, rnd.ident, rnd.args),),
+                        reasons=(ARG_MISMATCH,)).to_json()
 
         def abort(s):
             s.compare_set(their + "/reg", "", note)

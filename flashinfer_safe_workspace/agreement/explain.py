@@ -82,9 +82,10 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
             reasons.add(cand.reason)
         named.append(record.rank)
     register_why = (outcome.register.why if outcome.register is not None else "") or ""
+    decided = set(outcome.register.reasons) if outcome.register is not None else set()
     if outcome.followed:
         details.append(f"{register_why or 'abort'} (decided before this rank arrived)")
-        reasons.add(_rec.ABORTED)
+        reasons.update(decided or {_rec.ABORTED})
     elif outcome.missing:
         reasons.add(_missing_reason(outcome))
         absent = list(outcome.absent)
@@ -94,10 +95,26 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
         named.extend(absent)
     elif not details:
         details.append(f"the group aborted: {register_why or 'no reason given'}")
-        reasons.add(_rec.ABORTED)
+        reasons.update(decided or {_rec.ABORTED})
     message = head + "; ".join(details) + ". " + _advice(reasons)
     return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details),
                     tuple(sorted(reasons)))
+
+
+def verdict_reasons(verdict, records) -> tuple:
+    """The reason codes of a decided abort (what its register carries to late ranks)."""
+    reasons: set = set()
+    try:
+        _from_verdict(verdict, records, [], [], [], reasons)
+    except Exception:  # noqa: BLE001 - only for the message: late ranks then say ABORTED
+        return ()
+    return tuple(sorted(reasons))
+
+
+def record_reasons(record: Record) -> tuple:
+    """The reason codes of one rank's no."""
+    return tuple(sorted({c.reason for c in record.candidates.values() if not c.usable}
+                        or {_rec.INTERNAL_ERROR}))
 
 
 def _from_verdict(verdict, records, ranks, details: list, named: list, reasons: set) -> None:

@@ -133,6 +133,7 @@ class Register:
     why: str = ""
     mismatch: tuple = ()  # Records (stand-ins) of the peers that made another call
     check: str = ""  # the check that decided an abort ("" when none did)
+    reasons: tuple = ()  # the deciding cause's reason codes (``_reasons``; () when unknown)
     wire: int = WIRE
 
     @property
@@ -153,8 +154,9 @@ class Register:
             body = _parse(raw, "register")
             body["mismatch"] = tuple(Record.from_json(json.dumps(r))
                                      for r in body.get("mismatch", ()))
+            body["reasons"] = tuple(int(c) for c in body.get("reasons", ()))
             reg = cls(**body)
-        except (Unreadable, TypeError, AttributeError) as exc:
+        except (Unreadable, TypeError, ValueError, AttributeError) as exc:
             return cls(ABORT, why=f"unreadable register ({exc})")
         if reg.outcome not in (COMMIT, ABORT, PASS):
             return cls(ABORT, why=f"unreadable register outcome {reg.outcome!r}")

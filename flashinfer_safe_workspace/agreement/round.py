@@ -23,6 +23,7 @@ import dataclasses
 import time
 from typing import Optional
 
+from .._reasons import ARG_MISMATCH
 from . import board as _board, explain as _explain, store as _store
 from .board import BOARD_AFTER_S, BOARD_EVERY_S
 from .record import ABORT, COMMIT, PASS, PROPOSE, WAKE, Board, Record, Register, read_record
@@ -136,7 +137,8 @@ class StoreRound:
         """A no needs nobody else: the abort first, then the wake-up, then the record."""
         why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
                or f"rank {self.rank} said no: {record.no_store.text()}")
-        value = Register(ABORT, self.rank, why, check=record.failed_check()).to_json()
+        value = Register(ABORT, self.rank, why, check=record.failed_check(),
+                         reasons=_explain.record_reasons(record)).to_json()
         reg_key, ready_key = self._k("reg"), self._k("ready")
         names, values = self._publish_ops(record)
 
@@ -180,7 +182,8 @@ class StoreRound:
         if not out.verdict.commit or late:
             wanted = PASS if out.verdict.all_pass and not late else ABORT
             why = f"rank {self.rank} reached its deadline" if late else out.verdict.why
-            reg = self._write(wanted, why, check="" if late else out.verdict.check)
+            reg = self._write(wanted, why, check="" if late else out.verdict.check,
+                              reasons=() if late else _explain.verdict_reasons(out.verdict, records))
         else:
             ready_key, reg_key = self._k("ready"), self._k("reg")
             until = self._store_until()
@@ -207,7 +210,8 @@ class StoreRound:
                 return None
             out.records = [record] + finished
             out.verdict = resolve(out.records)
-            return self._write(ABORT, "ranks called with different arguments", mismatch=finished)
+            return self._write(ABORT, "ranks called with different arguments", mismatch=finished,
+                               reasons=(ARG_MISMATCH,))
 
         kind, value = self._await(self._acknowledging(), self._k("ready"), self.deadline, tick)
         if kind == "tick":
@@ -313,11 +317,13 @@ class StoreRound:
         if records:
             out.records, out.verdict = records, resolve(records)
 
-    def _write(self, outcome: str, why: str, mismatch=(), check: str = "") -> Register:
+    def _write(self, outcome: str, why: str, mismatch=(), check: str = "",
+               reasons: tuple = ()) -> Register:
         """``compare_set`` on the register (the first write wins; what it holds is returned);
         any outcome but commit also wakes the ranks still waiting for the records."""
         reg_key, ready_key = self._k("reg"), self._k("ready")
-        text = Register(outcome, self.rank, why, tuple(mismatch), check=check).to_json()
+        text = Register(outcome, self.rank, why, tuple(mismatch), check=check,
+                        reasons=tuple(reasons)).to_json()
 
         def write(s):
             held = s.compare_set(reg_key, "", text)
