@@ -30,6 +30,7 @@ ENGINES = {
                          "vllm/distributed/device_communicators/all_reduce_utils.py",
                          VLLM_PLUGINS],
     ("vllm", "0.26.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
+    ("vllm", "0.22.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.20.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.18.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
     ("vllm", "0.17.0"): [VLLM_FI, VLLM_PASS, "vllm/envs.py"],
@@ -67,6 +68,16 @@ def _calls(node, name: str):
             if (isinstance(f, ast.Name) and f.id == name) or (
                     isinstance(f, ast.Attribute) and f.attr == name):
                 yield sub
+
+
+def call_keywords(path: Path, function: str, callee: str) -> list:
+    """The keyword names of each call of ``callee`` inside module-level ``function``
+    (vLLM 0.22's ``_create_workspace`` passes ``comm_backend=`` and no ``group=``)."""
+    tree = ast.parse(Path(path).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [sorted(k.arg for k in c.keywords if k.arg) for c in _calls(node, callee)]
+    raise KeyError(function)
 
 
 def _method(tree, cls: str, method: str):

@@ -10,6 +10,10 @@ the stand-ins below, each with the reason. The shim is activated the production 
 (``FLASHINFER_SAFE_WORKSPACE=1`` in the environment, so the installed ``.pth`` runs),
 FlashInfer is the installed one, the vote runs over real gloo groups, and the GPU is
 a ``SimulatedDevice`` with FREE_MB free MiB. Prints one JSON line.
+
+Two test-only variables serve the vLLM 0.22.0 run (failure mode 1): ``FIWS_ENGINE_TP``
+lays the ranks out as TP x DP, and ``FIWS_ENGINE_PLAN_FLASHINFER`` is the FlashInfer
+release the shim plans for (set as FlashInfer's ``__version__`` in the rank).
 """
 
 from __future__ import annotations
@@ -263,6 +267,138 @@ def drive_vllm_family(prefix, group, other_group, out):
         out["quant_other_group"] = repr(fi.get_fi_ar_quant_workspace(group=other_group, **kw))
     except Exception as exc:
         out["quant_other_group_error"] = _error(exc)
+
+
+# ------------------------------------------------ vLLM 0.22: TP x DP, FlashInfer's rendezvous
+
+# The FlashInfer release the shim plans for in a run (test-only; unset: the installed one).
+# The installed code is still what runs if the shim lets a call through.
+PLAN_FOR = "FIWS_ENGINE_PLAN_FLASHINFER"
+# Tensor-parallel size of a TP x DP layout over WORLD (test-only; the 0.22.0 driver: 2).
+TP_SIZE = "FIWS_ENGINE_TP"
+
+_TP_GROUPS: dict = {}
+
+
+def tp_group_of_this_rank(tp: int):
+    """This rank's TP group in a TP x DP layout over WORLD: ranks [0..tp-1], [tp..2tp-1],
+    ... as vLLM's ``initialize_model_parallel`` lays them out with DP outside TP (every
+    rank creates every group, in the same order: ``new_group`` is collective over WORLD).
+    Built once per process, so each mode's run uses the same groups."""
+    import torch.distributed as dist
+
+    if tp not in _TP_GROUPS:
+        world = dist.get_world_size()
+        assert world % tp == 0, (world, tp)
+        groups = [dist.new_group(list(range(s, s + tp)), backend="gloo")
+                  for s in range(0, world, tp)]
+        _TP_GROUPS[tp] = groups[dist.get_rank() // tp]
+    return _TP_GROUPS[tp]
+
+
+class RecordedWorkspace:
+    """Stand-in for FlashInfer's workspace *classes* only (trtllm and mnnvl): reached only
+    when the shim lets a call through and FlashInfer's real ``create_allreduce_fusion_
+    workspace`` gets as far as allocating (CUDA, which CI has not); records the call."""
+
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        self.backend = "trtllm" if type(self) is RecordedWorkspace else "mnnvl"
+        RecordedWorkspace.made.append(self.backend)
+
+    def destroy(self):
+        pass
+
+    def __repr__(self):
+        return f"<RecordedWorkspace backend={self.backend}>"
+
+
+class _RecordedMnnvl(RecordedWorkspace):
+    pass
+
+
+class FlashInferEntries:
+    """Counts entries into FlashInfer's own ``create_allreduce_fusion_workspace`` (the
+    function under the shim's wrapper, unwrapped through ``__wrapped__``) with a profile
+    hook on its code object: a spy, not a stand-in (FlashInfer runs if entered)."""
+
+    def __init__(self):
+        import flashinfer.comm.allreduce as ar
+
+        fn = ar.create_allreduce_fusion_workspace
+        while getattr(fn, "__wrapped__", None) is not None:
+            fn = fn.__wrapped__
+        self.code = fn.__code__  # the innermost: FlashInfer's own body
+        self.count = 0
+
+    def _hook(self, frame, event, arg):
+        if event == "call" and frame.f_code is self.code:
+            self.count += 1
+
+    def __enter__(self):
+        self._prev = sys.getprofile()
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._prev)
+
+
+def drive_vllm_tp_dp(tp_size, out):
+    """vLLM 0.22's call sites on this rank's TP group of a TP x DP layout: what
+    ``AllReduceFusionPass.__init__`` runs (``get_fi_ar_workspace``, and the quant workspace
+    only when that returned a workspace; the pass's ``is None: return`` is checked in its
+    source), then the standalone all-reduce (``FlashInferAllReduce._ensure_workspace``),
+    each timed. FlashInfer's workspace classes are stand-ins (``RecordedWorkspace``); the
+    entries into FlashInfer's own function are counted (``FlashInferEntries``)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import flashinfer
+    import flashinfer.comm.allreduce as ar
+
+    if os.environ.get(PLAN_FOR):
+        flashinfer.__version__ = os.environ[PLAN_FOR]  # plan with that release's rules
+    out["planned_for"] = flashinfer.__version__
+    ar.TRTLLMAllReduceFusionWorkspace = RecordedWorkspace
+    ar.MNNVLAllReduceFusionWorkspace = _RecordedMnnvl
+    RecordedWorkspace.made = []
+    tp = tp_group_of_this_rank(tp_size)
+    out["tp_ranks"] = dist.get_process_group_ranks(tp)
+    fi = __import__("vllm.distributed.device_communicators.flashinfer_all_reduce",
+                    fromlist=["_"])
+    world, rank = dist.get_world_size(tp), dist.get_rank(tp)
+    # the pass's sizing: max size (SM 9.0 row of the real table) // (H * 2), at most
+    # max_num_batched_tokens (8192 here)
+    table = sys.modules["vllm.config.compilation"].PassConfig.default_fi_allreduce_fusion_max_size_mb()
+    tokens = min(int(table[world] * MiB) // (4096 * 2), 8192)
+    kw = dict(world_size=world, rank=rank, max_token_num=tokens, hidden_dim=4096,
+              dtype=torch.bfloat16, group=tp)
+    secs = []
+    with FlashInferEntries() as entries:
+        start = time.perf_counter()
+        try:
+            ws = fi.get_fi_ar_workspace(**kw)
+            out["workspace"] = repr(ws)
+        except Exception as exc:  # vLLM catches inside; anything here is reported
+            ws, out["workspace_error"] = None, _error(exc)
+        secs.append(time.perf_counter() - start)
+        out["pass_disabled"] = ws is None
+        if ws is not None:
+            start = time.perf_counter()
+            out["quant"] = repr(fi.get_fi_ar_quant_workspace(**kw))
+            secs.append(time.perf_counter() - start)
+        far = fi.FlashInferAllReduce(group=tp, device=dist.get_rank())
+        out["standalone_enabled_before"] = not far.disabled
+        start = time.perf_counter()
+        out["standalone_ensure"] = far._ensure_workspace(4096, torch.bfloat16)
+        secs.append(time.perf_counter() - start)
+        out["standalone_disabled"] = far.disabled
+    out["flashinfer_entries"] = entries.count
+    out["workspaces_made"] = list(RecordedWorkspace.made)
+    out["call_secs"] = secs
 
 
 _VLLM_LIB, _VLLM_OPS = None, set()
@@ -686,6 +822,12 @@ def run_vllm_family(root, group, other, free, out):
     drive_vllm_family("vllm", group, other, out)
 
 
+@driver("vllm", "0.22.0")
+def run_vllm_022(root, group, other, free, out):
+    vllm_standins(root)
+    drive_vllm_tp_dp(int(os.environ.get(TP_SIZE, "2")), out)
+
+
 @driver("aphrodite-engine", "0.24.1")
 def run_aphrodite(root, group, other, free, out):
     vllm_standins(root, "aphrodite", APH_PASS)
@@ -775,6 +917,8 @@ def main(argv):
         text = "\n".join(r["msg"] for r in records if r["logger"] == "flashinfer_safe_workspace")
         out["decisions"] = parse_decision_lines(text)
         out["answers"] = answers.items[amark:]
+        out["shim_warnings"] = [r["msg"] for r in records if r["level"] == "WARNING"
+                                and r["logger"] == "flashinfer_safe_workspace"]
         out["records"] = [r for r in records if r["level"] in ("WARNING", "ERROR", "INFO")
                           and r["logger"] != "flashinfer_safe_workspace"]
         out["standins"] = sorted(n for n, m in sys.modules.items()
