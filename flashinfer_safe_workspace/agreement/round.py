@@ -51,6 +51,7 @@ class StoreRound:
         self.finished = False
         self.published = False
         self.complete = False  # every record was in and said yes: no board needs a look
+        self.acked = False  # this rank counted itself into ``acks`` (at most once)
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._entry: Optional[Board] = None  # this rank's board entry for this round
         self.calls = 0  # this rank's calls on the rank set, this one included (``board``)
@@ -136,7 +137,7 @@ class StoreRound:
     def _vote_no(self, out, record, keys) -> None:
         """A no needs nobody else: the abort first, then the wake-up, then the record."""
         why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
-               or f"rank {self.rank} said no: {record.no_store.text()}")
+               or f"rank {self.rank} said no: {record.no_text()}")
         value = Register(ABORT, self.rank, why, check=record.failed_check(),
                          reasons=_explain.record_reasons(record)).to_json()
         reg_key, ready_key = self._k("reg"), self._k("ready")
@@ -251,17 +252,22 @@ class StoreRound:
                 return None
             if _store.text(s.get(ready_key)) != PROPOSE:
                 return s.get(reg_key)  # written before any wake-up
-            self.complete = True
+            self.complete = self.acked = True  # before the add: never counted twice
             if s.add(acks_key, 1) >= need:
                 return s.compare_set(reg_key, "", commit)
             return s.get(reg_key) if _store.wait_key(s, reg_key, until) else None
         return steps
 
     def _acknowledge(self, out) -> None:
-        """``_acknowledging`` on the first line, for a store without a waiting line."""
+        """``_acknowledging`` on the first line, for a store without a waiting line (or
+        one that failed: if it acknowledged before failing, this rank does not count in a
+        second time, and only waits for the register)."""
         self.complete = True
         acks_key = self._k("acks")
-        acks = self._call(lambda s: s.add(acks_key, 1))
+        acks = 0
+        if not self.acked:
+            self.acked = True
+            acks = self._call(lambda s: s.add(acks_key, 1))
         if acks >= len(self.ranks) - 1:
             reg = self._write(COMMIT, "every rank voted yes and acknowledged")
         else:

@@ -97,9 +97,16 @@ class StoreLine:
 
     def forget(self, op) -> None:
         """The caller no longer wants ``op``: if it has not started, it never runs."""
+        self.cancel(op)
+
+    def cancel(self, op) -> bool:
+        """Make sure ``op`` never runs: True if it had not started (it never will), False
+        if it has started (it runs to its end; the caller must wait for it, not act in its
+        place)."""
         with self._wake:
             if not op.started:
                 op.cancelled = True
+            return op.cancelled
 
     def _start(self):
         if self._thread is None or not self._thread.is_alive():
@@ -326,7 +333,9 @@ def await_op(line_, steps, poll, until: float, tick=None, tick_after: float = 0.
             next_tick = now + tick_every
             if op is not None and not op.started:  # the line is held by another read
                 raw = poll()
-                if raw is not None:
+                # act on the poll only if the op can no longer run: had it started during
+                # the poll, it would do the same step (an acknowledgement) a second time
+                if raw is not None and line_.cancel(op):
                     return "poll", raw
             found = tick() if tick is not None else None
             if found is not None:
