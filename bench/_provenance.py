@@ -9,12 +9,11 @@ The commit, first answer wins:
    ``scripts/gpu-check --prepare-wheel`` writes beside the wheel: JSON with ``commit`` and
    ``dirty``, or a bare hash). It is refused when git knows that commit and this tree is
    not it (a file left over from an older wheel);
-4. git's ``HEAD`` with ``+dirty`` when tracked files differ from it;
-5. ``unknown``.
+4. ``unknown``: the source then says git's ``HEAD`` where tracked files differ from it.
 
 A device copy's own ``.git`` may be older than its files (it read bf9c080 on the device
-while the files were 95c7fb0 and 0f2ed41): its ``HEAD`` is used clean only, where it names
-the files exactly, so a stale one shows up as ``+dirty`` at worst, never as the answer.
+while the files were 95c7fb0 and 0f2ed41): its ``HEAD`` is taken only where it names the
+files exactly, so a stale one is never the answer.
 """
 
 from __future__ import annotations
@@ -99,9 +98,10 @@ def commit_info() -> dict:
         else:
             return {"commit": commit + ("+dirty" if info["dirty"] else ""),
                     "commit_source": f"COMMIT file {path}"}
-    if head:
-        return {"commit": head[0] + "+dirty",
-                "commit_source": "git (HEAD; tracked files differ from it)" + rejected}
+    if head:  # a tree that is no commit (or a stale .git): HEAD is said, not taken
+        return {"commit": "unknown",
+                "commit_source": f"git HEAD is {head[0]}, but tracked files differ from it "
+                                 f"(set {ENV})" + rejected}
     return {"commit": "unknown",
             "commit_source": f"none (no {ENV}, no usable git, no {path})" + rejected}
 
