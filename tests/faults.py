@@ -617,6 +617,48 @@ os._exit(0)  # before the harness's own store operations, which torch would log 
         lambda runs: (all_or_none(runs, [1]), _expect(_res(runs, 1)["outcome"] == "none", runs[1]),
                       _expect(runs[1]["stderr"].count("Exception raised from") <= 2, runs[1]["stderr"])),
         env={"FIWS_STDERR_TAIL": "100000"}, host=False),
+    Scenario(
+        "rank killed just before its acknowledgement while a peer's waiting line is slow to "
+        "connect (the peer must not acknowledge twice)", 3,
+        _free() + """
+from flashinfer_safe_workspace.agreement import store as _st
+from flashinfer_safe_workspace.agreement.record import PROPOSE
+opened = _st._open_clone
+polled = threading.Event()
+ACKS = []
+class Watched:  # rank 0's connections: note each acknowledgement; rank 2 dies at its own
+    def __init__(self, s, waiting): self._s, self.waiting = s, waiting
+    def __getattr__(self, name): return getattr(self._s, name)
+    def add(self, key, n):
+        if RANK == 2 and key.endswith("/acks"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        value = self._s.add(key, n)
+        if key.endswith("/acks"):
+            ACKS.append("waiting line" if self.waiting else "first line")
+        return value
+    def get(self, key):
+        value = self._s.get(key)
+        if RANK == 0 and not self.waiting and key.endswith("/ready") and value == PROPOSE.encode():
+            polled.set(); time.sleep(0.05)  # the waiting line connects during this poll
+        return value
+def opener(strict=False):
+    s = opened(strict)
+    if strict and RANK == 0:
+        polled.wait(10)  # rank 0's waiting line connects only once a poll has read propose
+    return Watched(s, strict)
+_st._open_clone = opener
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+dist.barrier()
+if RANK == 1:
+    time.sleep(0.4)  # last in: the proposer
+outcome, secs, err = rank_lib.create(rank=RANK, world_size=3)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, acks=ACKS)
+""",
+        "ranks 0 and 1: None at the deadline (rank 2 never acknowledged; rank 0 counted in once)",
+        lambda runs: (none_on([0, 1])(runs), _expect(len(_res(runs, 0)["acks"]) == 1, runs[0]),
+                      _expect(runs[2]["returncode"] == -9, runs[2])),
+        env={"FIWS_LINGER_S": "8"}, host=False),
 ]
 
 SCALE_CI = 8  # ranks of the scale cases in CI (2 cores); scripts/reliability-matrix --scale N
