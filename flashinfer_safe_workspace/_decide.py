@@ -84,8 +84,11 @@ def cached_veto(entry: str, original: Callable, args: tuple, kwargs: dict):
     if fast is not None:
         wkey = _fast.get(fast)
         if wkey is not None and wkey in _veto_cache:
-            _count_call(wkey)
-            return _veto_cache[wkey], wkey
+            _store.check_world()  # a veto of a destroyed default group is forgotten
+            hit = _veto_cache.get(wkey)
+            if hit is not None:
+                _count_call(wkey)
+                return hit, wkey
     return None, fast
 
 
@@ -108,6 +111,9 @@ def clear_cache() -> None:
     with _cache_lock:
         _veto_cache.clear()
         _fast.clear()
+
+
+_store.on_new_world(clear_cache)  # vetoes were decided by the old default group's ranks
 
 
 def _after_fork_in_child():
@@ -162,6 +168,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         return Decision("veto", "no rank set", _explain.local(
             f"could not tell which ranks create this workspace: {type(exc).__name__}: {exc}"))
     wkey = (entry, members.ranks, members.kind, ident)
+    _store.check_world()
     hit = _veto_cache.get(wkey)
     if hit is not None:
         _count_call(wkey)

@@ -659,6 +659,34 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         lambda runs: (none_on([0, 1])(runs), _expect(len(_res(runs, 0)["acks"]) == 1, runs[0]),
                       _expect(runs[2]["returncode"] == -9, runs[2])),
         env={"FIWS_LINGER_S": "8"}, host=False),
+    Scenario(
+        "the host destroys its default group and initialises a new one (a new store)", 2,
+        _free("rank_lib.need_mb() - 2 if RANK == 0 else None") + """
+import datetime, harness
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+before = rank_lib.create(rank=RANK)  # rank 0 short: vetoed on both, cached
+port = STORE.get("port2").decode() if RANK else harness.free_port()
+if RANK == 0:
+    STORE.set("port2", str(port))
+dist.barrier()
+dist.destroy_process_group()
+del STORE
+dev.free_bytes = 80 << 30  # the new world's GPUs have room
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+after = rank_lib.create(rank=RANK)  # the same call: decided afresh, not from the old cache
+outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=1024)
+result.update(before=before[0], after=after[0], outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes)
+""",
+        "before: None on both; after the new init_process_group the same call is created on "
+        "both (no veto of the old group's store, cache or bookkeeping survives), then another",
+        lambda runs: (created_on_all(runs),
+                      _expect([_res(runs, r)["before"] for r in (0, 1)] == ["none", "none"], runs),
+                      _expect([_res(runs, r)["after"] for r in (0, 1)] == ["created", "created"], runs),
+                      _expect(all(_res(runs, r)["calls"] == 2 for r in (0, 1)), runs),
+                      _expect(all("Exception raised from" not in r["stderr"] for r in runs), runs)),
+        env={"FIWS_STDERR_TAIL": "100000"}, host=False),
 ]
 
 SCALE_CI = 8  # ranks of the scale cases in CI (2 cores); scripts/reliability-matrix --scale N

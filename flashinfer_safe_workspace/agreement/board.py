@@ -27,6 +27,7 @@ import time
 from typing import Optional
 
 from .._reasons import ARG_MISMATCH
+from . import store as _store
 from .record import ABORT, WAKE, Board, Record, Register
 
 BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
@@ -101,13 +102,14 @@ def count_call(mkey: str) -> int:
     return BOOK.count_call(mkey)
 
 
-def _after_fork_in_child():
+def _start_anew():
     global BOOK
     BOOK = Book()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=_start_anew)
+_store.on_new_world(_start_anew)  # a new default group: its store holds none of our rounds
 
 
 def board_key(mkey: str, rank) -> str:

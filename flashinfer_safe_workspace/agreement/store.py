@@ -21,6 +21,7 @@ import collections
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 SLICE_S = 0.1  # longest uninterrupted wait of the calling thread
@@ -190,9 +191,47 @@ _line: Optional[StoreLine] = None
 _line_lock = threading.Lock()
 
 
+_source = None  # weak reference to the default process group our lines were opened for
+_resets: list = []  # what else starts anew with a new default group (``on_new_world``)
+
+
+def on_new_world(fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the default process group is not the one our lines were opened for
+    (the host destroyed it and initialised another in this process)."""
+    _resets.append(fn)
+
+
+def check_world() -> None:
+    """Start anew if the default process group changed since our lines were opened: the
+    old store's connections, a store host known gone and every ``on_new_world`` state (the
+    rounds' bookkeeping, cached vetoes) belong to the old group. Cheap (a weak-reference
+    compare); never raises."""
+    global _source, _line, _waiters, _gone
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = c10d._world.default_pg
+        if pg is None or (_source is not None and _source() is pg):
+            return
+        known = weakref.ref(pg)
+    except Exception:  # noqa: BLE001 - an old or odd torch: keep what we have
+        return
+    with _line_lock:
+        if _source is not None and _source() is pg:
+            return
+        fresh = _source is not None  # a group replaced, not the first one seen
+        _source = known
+        if fresh:
+            _line, _waiters, _gone = None, {}, None
+    if fresh:
+        for fn in list(_resets):
+            fn()
+
+
 def line(vote_timeout_s: float) -> StoreLine:
     """The process's store line (made on first use; never at import time)."""
     global _line, _op_timeout_s
+    check_world()
     with _line_lock:
         _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
         if _line is None:
@@ -223,8 +262,8 @@ def forget(line_, op) -> None:
 
 
 def _after_fork_in_child():
-    global _line, _line_lock, _waiters, _gone
-    _line, _waiters, _gone = None, {}, None
+    global _line, _line_lock, _waiters, _gone, _source
+    _line, _waiters, _gone, _source = None, {}, None, None
     _line_lock = threading.Lock()
 
 
