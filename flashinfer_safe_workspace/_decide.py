@@ -242,7 +242,11 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
                       or _checks.named_in(outcome.missing)) or "-"
     info = _explain.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
-    if not outcome.in_doubt:  # a decided register: the same answer on every rank
+    if not outcome.in_doubt and tuple(info.reasons) != (R.ARG_MISMATCH,):
+        # a decided register: the same answer on every rank. A mismatch alone is not kept:
+        # two threads may make the same two calls in another order on each rank, and the
+        # call that lost is then made afresh, not refused for good (every rank reads the
+        # same register, so every rank keeps or drops it alike)
         _remember(call.wkey, call.fast, info)
     return decision
 

@@ -424,6 +424,30 @@ result.update(outcome="/".join(o[0] for o in outs), secs=max(o[1] for o in outs)
                       [_expect(_res(runs, r)["outcome"] == "created/created" and _res(runs, r)["calls"] == 2,
                                _res(runs, r)) for r in range(2)])),
     Scenario(
+        "two threads per rank making two different calls, in opposite order on the two ranks", 2,
+        _free() + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+outs = {}
+def go(name, tokens, delay):
+    time.sleep(delay)
+    outs[name] = rank_lib.create(rank=RANK, max_token_num=tokens)[0]
+delays = {0: (0.0, 0.3), 1: (0.3, 0.0)}[RANK]  # rank 0 starts X first, rank 1 starts Y first
+threads = [threading.Thread(target=go, args=("X", 1024, delays[0])),
+           threading.Thread(target=go, args=("Y", 2048, delays[1]))]
+[t.start() for t in threads]; [t.join(30) for t in threads]
+again = {name: rank_lib.create(rank=RANK, max_token_num=tokens)[0]
+         for name, tokens in (("X", 1024), ("Y", 2048))}
+result.update(outs=outs, again=again, outcome=again["Y"], secs=0.0, calls=len(rank_lib.calls),
+              live=dev.live_bytes)
+""",
+        "each call has the same answer on both ranks (a call that met the other in the "
+        "other's round is vetoed on both); asked again, both calls are created: a "
+        "mismatch is not cached",
+        lambda runs: (all_or_none(runs),
+                      _expect(_res(runs, 0)["outs"] == _res(runs, 1)["outs"], runs),
+                      [_expect(_res(runs, r)["again"] == {"X": "created", "Y": "created"}, runs)
+                       for r in (0, 1)])),
+    Scenario(
         "two threads, two groups, opposite order on two ranks", 3,
         _free() + """
 ga = dist.new_group([0, 1], backend="gloo")
