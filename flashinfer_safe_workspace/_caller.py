@@ -37,7 +37,7 @@ class Engine:
 # The one table. Every engine here falls back on an exception in every release read
 # (tests/engines runs each named release's own call-site code; docs/engines.md).
 ENGINES: tuple = (
-    Engine("vllm", "vLLM", "0.15.0, 0.17.0, 0.18.0, 0.20.0, 0.26.0, 0.33.0",
+    Engine("vllm", "vLLM", "0.15.0, 0.17.0, 0.18.0, 0.20.0, 0.22.0, 0.26.0, 0.33.0",
            "0.17/0.18: an AssertionError that is caught (under python -O, read not run, the "
            "None is stored and dereferenced in the forward); 0.33: caught only as None.destroy(), and "
            "id(None) is registered for the group",
@@ -74,10 +74,16 @@ def _in(module: str, prefix: str) -> bool:
 
 def engine_of(module: str):
     """The :class:`Engine` whose namespace holds ``module``, or ``None``."""
-    for engine in ENGINES:
-        if _in(module, engine.prefix):
-            return engine
-    return None
+    try:
+        return _engines_of[module]
+    except KeyError:
+        pass
+    found = next((engine for engine in ENGINES if _in(module, engine.prefix)), None)
+    _engines_of[module] = found
+    return found
+
+
+_engines_of: dict = {}  # module name -> its Engine or None (the table never changes)
 
 
 def caller_module(depth: int = 1) -> str:
@@ -91,22 +97,29 @@ def caller_module(depth: int = 1) -> str:
         name = frame.f_globals.get("__name__")
         if not isinstance(name, str) or not name:
             return "-"
-        if not any(_in(name, p) for p in _SKIP):
+        skip = _skipped.get(name)
+        if skip is None:
+            skip = _skipped[name] = any(_in(name, p) for p in _SKIP)
+        if not skip:
             return name
         frame = frame.f_back
     return "-"
 
 
-def resolve(on_veto: str, entry: str) -> Answer:
+_skipped: dict = {}  # module name -> whether caller_module looks past its frames
+
+
+def resolve(on_veto: str, entry: str, need_caller: bool = True) -> Answer:
     """What this vetoed call gets. Never raises: on any error of ours, ``raise`` (every
-    engine in the table and every ``except Exception`` caller survives it)."""
+    engine in the table and every ``except Exception`` caller survives it). The calling
+    module is looked up only under ``ON_VETO=auto`` or when ``need_caller`` (a log line
+    names it); otherwise ``caller`` is ``"-"``."""
     try:
-        if entry == "legacy":
-            return Answer(RAISE, caller_module(2), "legacy entry always raises")
-        if on_veto == RAISE:
-            return Answer(RAISE, caller_module(2), "ON_VETO=raise")
-        if on_veto == NONE:
-            return Answer(NONE, caller_module(2), "ON_VETO=none")
+        fixed = (RAISE, "legacy entry always raises") if entry == "legacy" else (
+            (RAISE, "ON_VETO=raise") if on_veto == RAISE else
+            (NONE, "ON_VETO=none") if on_veto == NONE else None)
+        if fixed is not None:
+            return Answer(fixed[0], caller_module(2) if need_caller else "-", fixed[1])
         caller = caller_module(2)
         engine = engine_of(caller)
         if engine is not None:

@@ -8,13 +8,14 @@ reach the caller is ``WorkspaceVetoed`` (raise mode, or the legacy tuple API).
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import sys
 import threading
 import time
 
 from .audit import compare as _audit
-from . import _config, _decide, _log, _reasons
+from . import _caller, _config, _decide, _log, _reasons
 from .agreement import explain as _explain
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
@@ -93,14 +94,15 @@ def _refuse(entry: str, settings, info, decision=None):
     """What the caller gets on a veto: ``None`` or ``WorkspaceVetoed``, as
     ``_caller.resolve`` answers for ``ON_VETO`` and the calling frame (the legacy
     tuple-returning function always raises)."""
-    from . import _caller
-
-    answer = _caller.resolve(settings.on_veto, entry)  # never raises
-    if decision is not None and decision.logged:
+    logged = decision is not None and decision.logged
+    debug = not logged and logger.isEnabledFor(logging.DEBUG)
+    # the calling module matters to the answer under ON_VETO=auto, else only to a log line
+    answer = _caller.resolve(settings.on_veto, entry, need_caller=logged or debug)  # never raises
+    if logged:
         _log.decision(decision, "veto", answer.kind, answer.caller, "-")
         logger.warning("flashinfer_safe_workspace %s: vetoed on every rank (%s; %s): %s",
                        rank_tag(), _caller.fields(answer), answer.why, info.message)
-    else:
+    elif debug:
         logger.debug("fiws decision %s outcome=veto-cached entry=%s %s", rank_tag(), entry,
                      _caller.fields(answer))
     if answer.kind == "raise":

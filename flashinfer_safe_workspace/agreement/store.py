@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 import time
 import weakref
@@ -208,8 +209,9 @@ def check_world() -> None:
     compare); never raises."""
     global _source, _line, _waiters, _gone
     try:
-        from torch.distributed import distributed_c10d as c10d
-
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        if c10d is None:  # torch.distributed never imported: no group, nothing to check
+            return
         pg = c10d._world.default_pg
         if pg is None or (_source is not None and _source() is pg):
             return
