@@ -142,6 +142,7 @@ class _Call:
     start: float
     wkey: tuple
     fast: object = None
+    epoch: int = 0  # the default group's generation when the call began (store.epoch)
 
 
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
@@ -184,7 +185,8 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         return Decision("call", f"FlashInfer {version} not mirrored; pass-through (unprotected)")
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
-    call = _Call(req, bound, ident, version, members, settings, deadline, start, wkey, fast)
+    call = _Call(req, bound, ident, version, members, settings, deadline, start, wkey, fast,
+                 _store.epoch())
     lock = (_board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
             if members.kind != "local" else None)
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
@@ -242,13 +244,23 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
                       or _checks.named_in(outcome.missing)) or "-"
     info = _explain.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
-    if not outcome.in_doubt and tuple(info.reasons) != (R.ARG_MISMATCH,):
-        # a decided register: the same answer on every rank. A mismatch alone is not kept:
-        # two threads may make the same two calls in another order on each rank, and the
-        # call that lost is then made afresh, not refused for good (every rank reads the
-        # same register, so every rank keeps or drops it alike)
+    if _keep(outcome) and _store.epoch() == call.epoch:
         _remember(call.wkey, call.fast, info)
     return decision
+
+
+def _keep(outcome) -> bool:
+    """Whether a veto is cached: a decided register (the same answer on every rank), unless
+    the register says a mismatch alone decided it. Two threads may make the same two calls
+    in another order on each rank, and the call that lost is then made afresh, not refused
+    for good. Judged from the register, which every rank of the round reads alike, never
+    from this rank's own view (its own no may have lost the register to a mismatch)."""
+    if outcome.in_doubt:
+        return False
+    reg = outcome.register
+    if reg is None:  # decided here alone (one rank): nothing to disagree with
+        return True
+    return not (reg.mismatch or tuple(reg.reasons) == (R.ARG_MISMATCH,))
 
 
 def _tell_peers_no(members, record, deadline, settings) -> None:

@@ -711,6 +711,65 @@ result.update(before=before[0], after=after[0], outcome=outcome, secs=secs, err=
                       _expect(all(_res(runs, r)["calls"] == 2 for r in (0, 1)), runs),
                       _expect(all("Exception raised from" not in r["stderr"] for r in runs), runs)),
         env={"FIWS_STDERR_TAIL": "100000"}, host=False),
+    Scenario(
+        "a thread still deciding on the old group while the host replaces it", 2,
+        _free() + """
+import datetime, harness
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+old = {}
+def old_call():
+    old["x"] = rank_lib.create(rank=RANK, max_token_num=512)[0]
+if RANK == 1:
+    dev.delay_s = 2.0  # in its probe while the group is replaced
+    thread = threading.Thread(target=old_call); thread.start()
+port = STORE.get("port2").decode() if RANK else harness.free_port()
+if RANK == 0:
+    STORE.set("port2", str(port))
+time.sleep(0.3)
+dist.barrier()
+dist.destroy_process_group()
+del STORE  # the old store goes: the old thread's next operation fails
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+dev.delay_s = 0.0
+first = rank_lib.create(rank=RANK, max_token_num=1024)[0]
+if RANK == 1:
+    thread.join(30)
+dist.barrier()
+again = rank_lib.create(rank=RANK, max_token_num=512)  # the old thread's call, in the new group
+outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=256)
+result.update(old=old, first=first, again=again[0], outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes)
+""",
+        "the old thread's call ends None on its own; in the new group every call is created "
+        "on both ranks, that call too: the old round's failure, bookkeeping and veto stay "
+        "with the old group",
+        lambda runs: (created_on_all(runs),
+                      _expect(_res(runs, 1)["old"] == {"x": "none"}, runs),
+                      [_expect((_res(runs, r)["first"], _res(runs, r)["again"]) ==
+                               ("created", "created"), runs) for r in (0, 1)]),
+        env={"FIWS_STDERR_TAIL": "100000"}, host=False, timeout=90),
+    Scenario(
+        "a rank whose own no lost the register to a peer's mismatch abort (cache agreement)", 2,
+        _free("rank_lib.need_mb() - 2 if RANK == 1 else None") + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+dist.barrier()
+if RANK == 1:
+    rank_lib.create(rank=RANK, max_token_num=1024)  # a call rank 0 never makes: its board
+    dev.delay_s = 0.4  # a slow probe: rank 0 reads that board and aborts the round first
+dist.barrier()
+first = rank_lib.create(rank=RANK)
+dev.delay_s, dev.free_bytes = 0.0, 80 << 30  # rank 1 has room now
+dist.barrier()
+outcome, secs, err = rank_lib.create(rank=RANK)  # the same call again
+result.update(first=first[0], outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
+              live=dev.live_bytes)
+""",
+        "1st: None on both; 2nd (the same call, room on both): created on both at once. "
+        "Whether a veto is cached is read from the register, so both ranks drop it alike",
+        lambda runs: (created_on_all(runs),
+                      _expect([_res(runs, r)["first"] for r in (0, 1)] == ["none", "none"], runs),
+                      [_expect(_res(runs, r)["secs"] < 1.0, runs) for r in (0, 1)])),
 ]
 
 SCALE_CI = 8  # ranks of the scale cases in CI (2 cores); scripts/reliability-matrix --scale N

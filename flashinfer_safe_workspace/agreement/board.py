@@ -36,7 +36,8 @@ REJOIN_S = 0.5  # a peer whose mismatched call we aborted gets this long to join
 
 
 class Book:
-    """This process's bookkeeping of rounds, per rank set (one instance, ``BOOK``): the next
+    """This process's bookkeeping of rounds, per rank set (one per default group, ``BOOK``;
+    a round keeps the one it began with): the next
     round of each call, this rank's board generation and call count, the peers'
     generations seen, and the lock that serialises this rank's decisions on a set. Only
     this module writes it."""
@@ -116,33 +117,33 @@ def board_key(mkey: str, rank) -> str:
     return f"fiws/{mkey}/board/{rank}"
 
 
-def read_boards(line, mkey: str, peers: list, until: float) -> tuple:
+def read_boards(line, book: Book, mkey: str, peers: list, until: float) -> tuple:
     """``(seen, {peer: Board or None})``: the generations seen before the read, and the
     peers' board entries in one ``multi_get`` (entries known to exist; an unknown one is
     checked on its own until it appears: entries are never deleted)."""
-    known = BOOK.boards_known(mkey)
+    known = book.boards_known(mkey)
 
     def read(s):
-        seen = BOOK.seen(mkey)
+        seen = book.seen(mkey)
         found = [r for r in peers if r not in known and s.check([board_key(mkey, r)])]
         have = [r for r in peers if r in known or r in found]
         return seen, found, dict(zip(have, s.multi_get([board_key(mkey, r) for r in have])
                                      if have else []))
     seen, found, raw = line.call(read, until)
-    BOOK.note_boards(mkey, found)
+    book.note_boards(mkey, found)
     return seen, {r: (Board.from_json(raw[r]) if r in raw else None) for r in peers}
 
 
-def note_peers_seen(s, mkey: str, peers: list) -> None:
+def note_peers_seen(s, book: Book, mkey: str, peers: list) -> None:
     """On the store thread: note every peer's current board generation as seen."""
-    known = BOOK.boards_known(mkey)
+    known = book.boards_known(mkey)
     found = [r for r in peers if r not in known and s.check([board_key(mkey, r)])]
     have = [r for r in peers if r in known or r in found]
-    BOOK.note_boards(mkey, found)
+    book.note_boards(mkey, found)
     for rank, raw in zip(have, s.multi_get([board_key(mkey, r) for r in have]) if have else []):
         peer = Board.from_json(raw)
         if peer is not None:
-            BOOK.mark_seen(mkey, rank, peer.generation)
+            book.mark_seen(mkey, rank, peer.generation)
 
 
 class Watch:
@@ -161,7 +162,7 @@ class Watch:
         rnd = self.rnd
         peers = [r for r in rnd.ranks if r != rnd.rank]
         try:  # bounded by the deadline itself: the waiting loop must be back by then
-            seen, boards = read_boards(rnd.line, rnd.mkey, peers, rnd.deadline)
+            seen, boards = read_boards(rnd.line, rnd.book, rnd.mkey, peers, rnd.deadline)
         except Exception:  # noqa: BLE001 - only an early exit; the deadline still holds
             return [], []
         waiting, finished = [], []
@@ -200,9 +201,9 @@ class Watch:
         if b.generation <= seen.get(rank, 0) or b.round == rnd.round_name:
             return None
         call, _, c = b.round.rpartition("/")
-        if BOOK.next_round(rnd.mkey, call) > int(c or 0):
+        if rnd.book.next_round(rnd.mkey, call) > int(c or 0):
             # a round this rank already finished: old news, not a mismatch
-            BOOK.mark_seen(rnd.mkey, rank, b.generation)
+            rnd.book.mark_seen(rnd.mkey, rank, b.generation)
             return None
         if b.state != "wait":
             return "finished"
@@ -228,5 +229,5 @@ class Watch:
             rnd.call_store(abort)
         except Exception:  # noqa: BLE001 - only an early exit; its deadline still holds
             pass
-        BOOK.mark_seen(rnd.mkey, rank, b.generation)
+        rnd.book.mark_seen(rnd.mkey, rank, b.generation)
         self._aborted[rank] = b.generation

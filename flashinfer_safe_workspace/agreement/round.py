@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 from .._reasons import ARG_MISMATCH
-from . import board as _board, explain as _explain, store as _store
+from . import board as _board, explain as _explain, ops as _ops, store as _store
 from .board import BOARD_AFTER_S, BOARD_EVERY_S
 from .record import ABORT, COMMIT, PASS, PROPOSE, WAKE, Board, Record, Register, read_record
 from .vote import GRACE_S, Outcome, members_key, resolve
@@ -55,6 +55,9 @@ class StoreRound:
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._entry: Optional[Board] = None  # this rank's board entry for this round
         self.calls = 0  # this rank's calls on the rank set, this one included (``board``)
+        # this round's group: its bookkeeping and its lines, also when a new default group
+        # replaces it while the round runs (``store.check_world``)
+        self.book, self.epoch = _board.BOOK, _store.epoch()
         self._watch = _board.Watch(self)
 
     # -- keys
@@ -72,24 +75,20 @@ class StoreRound:
         return [self._k("rec", r) for r in self.ranks]
 
     def call_store(self, fn):
-        """``fn(store)`` on the store line, bounded by the deadline and its grace."""
-        return self._call(fn)
-
-    def _call(self, fn):
-        # a store operation may finish a little after the round's deadline (the register
-        # write at the deadline must still land); never later than GRACE_S after it
+        """``fn(store)`` on the store line. It may finish a little after the round's deadline
+        (the register write at the deadline must still land); never later than GRACE_S."""
         return self.line.call(fn, self.deadline + GRACE_S)
 
     # -- protocol
     def open(self) -> Optional[Outcome]:
         """This rank's round for the call; an Outcome if the group decided it already."""
         start = time.monotonic()
-        self.calls = _board.count_call(self.mkey)
-        c = _board.BOOK.next_round(self.mkey, self.ident)
+        self.calls = self.book.count_call(self.mkey)
+        c = self.book.next_round(self.mkey, self.ident)
         for _ in range(64):  # bounded: stale commits of an earlier incarnation are skipped
             self.c = c
             reg_key = self._k("reg")
-            raw = self._call(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
+            raw = self.call_store(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
             if raw is None:
                 break
             reg = Register.from_json(raw)
@@ -105,13 +104,13 @@ class StoreRound:
         return None
 
     def _consume(self):
-        _board.BOOK.consume(self.mkey, self.ident, self.c)
+        self.book.consume(self.mkey, self.ident, self.c)
 
     def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
         keys = self._rec_keys()
         own_yes = record.is_yes()
-        self._entry = Board(_board.BOOK.new_generation(self.mkey), self.round_name,
+        self._entry = Board(self.book.new_generation(self.mkey), self.round_name,
                             "wait" if own_yes else "no", self.args, self.calls)
         out = Outcome(False, key=self._k())
         if not own_yes:
@@ -146,9 +145,9 @@ class StoreRound:
         def no(s):
             held = s.compare_set(reg_key, "", value)
             s.compare_set(ready_key, "", WAKE)
-            _store.multi_set(s, names, values)
+            _ops.multi_set(s, names, values)
             return held
-        reg = Register.from_json(self._call(no))
+        reg = Register.from_json(self.call_store(no))
         self.published = True
         out.commit, out.register = reg.commit, reg
         out.records = self._records_if_all(keys) or [record]
@@ -163,11 +162,11 @@ class StoreRound:
         arrived, size = self._k("arrived"), len(self.ranks)
 
         def publish(s):
-            _store.multi_set(s, names, values)
+            _ops.multi_set(s, names, values)
             if s.add(arrived, 1) < size:
                 return None
             return s.multi_get(keys)
-        raws = self._call(publish)
+        raws = self.call_store(publish)
         self.published = True
         if raws is not None:
             self._propose(out, [read_record(v) for v in raws])
@@ -190,10 +189,10 @@ class StoreRound:
             until = self._store_until()
 
             def propose(s):
-                if _store.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
-                    if not _store.wait_key(s, reg_key, until):
+                if _ops.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
+                    if not _ops.wait_key(s, reg_key, until):
                         return None
-                return s.get(reg_key)  # decided first (an abort woke us) or decided now
+                return _ops.get_if(s, reg_key)  # decided first (an abort woke us) or now
             kind, raw = self._await(propose, reg_key, self.deadline)
             reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
@@ -217,7 +216,7 @@ class StoreRound:
         kind, value = self._await(self._acknowledging(), self._k("ready"), self.deadline, tick)
         if kind == "tick":
             out.commit, out.register = value.commit, value
-        elif kind == "poll" and _store.text(value) == PROPOSE:  # no waiting line: step by step
+        elif kind == "poll" and _ops.text(value) == PROPOSE:  # no waiting line: step by step
             self._acknowledge(out)
         elif kind == "poll":
             self._follow(out, record, keys, self._read_register())
@@ -248,14 +247,17 @@ class StoreRound:
         commit = Register(COMMIT, self.rank, "every rank voted yes and acknowledged").to_json()
 
         def steps(s):
-            if not _store.wait_key(s, ready_key, until):
+            if not _ops.wait_key(s, ready_key, until):
                 return None
-            if _store.text(s.get(ready_key)) != PROPOSE:
-                return s.get(reg_key)  # written before any wake-up
+            ready = _ops.get_if(s, ready_key)
+            if ready is None:  # the round is over and its keys are gone: we gave up on it
+                return None
+            if _ops.text(ready) != PROPOSE:
+                return _ops.get_if(s, reg_key)  # written before any wake-up
             self.complete = self.acked = True  # before the add: never counted twice
             if s.add(acks_key, 1) >= need:
                 return s.compare_set(reg_key, "", commit)
-            return s.get(reg_key) if _store.wait_key(s, reg_key, until) else None
+            return _ops.get_if(s, reg_key) if _ops.wait_key(s, reg_key, until) else None
         return steps
 
     def _acknowledge(self, out) -> None:
@@ -267,12 +269,12 @@ class StoreRound:
         acks = 0
         if not self.acked:
             self.acked = True
-            acks = self._call(lambda s: s.add(acks_key, 1))
+            acks = self.call_store(lambda s: s.add(acks_key, 1))
         if acks >= len(self.ranks) - 1:
             reg = self._write(COMMIT, "every rank voted yes and acknowledged")
         else:
             reg_key = self._k("reg")
-            kind, raw = self._await(lambda s: s.get(reg_key) if _store.wait_key(
+            kind, raw = self._await(lambda s: _ops.get_if(s, reg_key) if _ops.wait_key(
                 s, reg_key, self._store_until()) else None, reg_key, self.deadline)
             reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
@@ -293,13 +295,13 @@ class StoreRound:
         """``steps(store)`` on this rank set's waiting line, polled on the first line where
         there is none (``store.await_op``)."""
         def poll():
-            return self._call(lambda s: s.get(poll_key) if s.check([poll_key]) else None)
-        line = _store.waiter(self.line_timeout, self.mkey)
-        return _store.await_op(line, steps, poll, until, tick, BOARD_AFTER_S, BOARD_EVERY_S)
+            return self.call_store(lambda s: s.get(poll_key) if s.check([poll_key]) else None)
+        line = _store.waiter(self.line_timeout, self.mkey, self.epoch)
+        return _ops.await_op(line, steps, poll, until, tick, BOARD_AFTER_S, BOARD_EVERY_S)
 
     def _read_register(self) -> Register:
         reg_key = self._k("reg")  # written before any ``wake``: it exists
-        return Register.from_json(self._call(lambda s: s.get(reg_key)))
+        return Register.from_json(self.call_store(lambda s: s.get(reg_key)))
 
     def _final(self, why: str) -> Optional[Register]:
         reg_key = self._k("reg")
@@ -336,18 +338,18 @@ class StoreRound:
             if outcome != COMMIT:
                 s.compare_set(ready_key, "", WAKE)
             return held
-        return Register.from_json(self._call(write))
+        return Register.from_json(self.call_store(write))
 
     def _records_if_all(self, keys) -> list:
         try:
-            return self._call(lambda s: [read_record(v) for v in s.multi_get(keys)]
+            return self.call_store(lambda s: [read_record(v) for v in s.multi_get(keys)]
                               if s.check(keys) else [])
         except Exception:  # noqa: BLE001 - only for the message
             return []
 
     def _absent(self, keys) -> list:
         try:
-            present = self._call(lambda s: [s.check([k]) for k in keys])
+            present = self.call_store(lambda s: [s.check([k]) for k in keys])
         except Exception:  # noqa: BLE001 - only for the message
             return []
         return [r for r, here in zip(self.ranks, present) if not here]
@@ -366,12 +368,13 @@ class StoreRound:
         entry = self._entry if (self.published and not self.complete) else None
         board_key = self._board_key(self.rank)
         peers = [] if self.complete else [r for r in self.ranks if r != self.rank]
+        book = self.book
 
         def wrap_up(s):
             if entry is not None:
                 s.set(board_key, dataclasses.replace(entry, state="done").to_json())
             if peers:
-                _board.note_peers_seen(s, mkey, peers)
+                _board.note_peers_seen(s, book, mkey, peers)
             if s.add(done_key, 1) >= size:
                 for key in keys:
                     try:

@@ -58,6 +58,7 @@ class StoreLine:
         self._wake = threading.Condition(threading.Lock())
         self._thread: Optional[threading.Thread] = None
         self.busy_since: Optional[float] = None  # monotonic start of the op in progress
+        self.epoch = _epoch  # the default group this line's store belongs to
 
     # -- worker
     def _run(self):
@@ -83,7 +84,8 @@ class StoreLine:
                     op.done.set()
                     continue
                 op.started = True
-            if _gone is not None:  # the store host is gone: never touch a socket again
+            if _gone is not None and self.epoch == _epoch:  # the store host is gone: never
+                # touch a socket again
                 op.error = StoreUnavailable(_gone)
                 op.done.set()
                 continue
@@ -92,7 +94,7 @@ class StoreLine:
                 op.value = op.fn(self._store)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc
-                _note_failure(exc)
+                _note_failure(exc, self.epoch)
             finally:
                 self.busy_since = None
                 op.done.set()
@@ -171,9 +173,16 @@ def _open_clone(strict: bool = False):
 
 
 _gone: Optional[str] = None  # why the store host is known to be gone (a broken connection)
+_epoch = 0  # the default group's generation in this process (bumped by check_world)
 
 
-def _note_failure(exc: BaseException) -> None:
+def epoch() -> int:
+    """Which default process group this process is on: a decision that began under another
+    one belongs to a group that is gone, and its answer is not kept (``check_world``)."""
+    return _epoch
+
+
+def _note_failure(exc: BaseException, line_epoch: int) -> None:
     """A connection that broke (not a timeout) means the store host is gone: later
     operations fail at once without touching a socket. Torch logs every failed operation
     of a TCPStore client with a C++ stack trace of some thirty frames on stderr; this keeps
@@ -183,7 +192,8 @@ def _note_failure(exc: BaseException) -> None:
         from torch.distributed import DistNetworkError
     except ImportError:  # an old torch
         return
-    if isinstance(exc, DistNetworkError) and _gone is None:
+    if isinstance(exc, DistNetworkError) and _gone is None and line_epoch == _epoch:
+        # (a line of a replaced group failing says nothing about the current group's store)
         _gone = f"the c10d store is gone: {short(exc)}"
 
 
@@ -207,7 +217,7 @@ def check_world() -> None:
     old store's connections, a store host known gone and every ``on_new_world`` state (the
     rounds' bookkeeping, cached vetoes) belong to the old group. Cheap (a weak-reference
     compare); never raises."""
-    global _source, _line, _waiters, _gone
+    global _source, _line, _waiters, _gone, _epoch
     try:
         c10d = sys.modules.get("torch.distributed.distributed_c10d")
         if c10d is None:  # torch.distributed never imported: no group, nothing to check
@@ -221,13 +231,13 @@ def check_world() -> None:
     with _line_lock:
         if _source is not None and _source() is pg:
             return
-        fresh = _source is not None  # a group replaced, not the first one seen
-        _source = known
-        if fresh:
+        if _source is not None:  # a group replaced, not the first one seen: everything of
+            # the old one goes before any thread can take the new group for current
             _line, _waiters, _gone = None, {}, None
-    if fresh:
-        for fn in list(_resets):
-            fn()
+            _epoch += 1
+            for fn in list(_resets):
+                fn()
+        _source = known
 
 
 def line(vote_timeout_s: float) -> StoreLine:
@@ -244,13 +254,16 @@ def line(vote_timeout_s: float) -> StoreLine:
 _waiters: dict = {}  # rank-set key -> its waiting line
 
 
-def waiter(vote_timeout_s: float, key: str = "") -> StoreLine:
+def waiter(vote_timeout_s: float, key: str = "", line_epoch: Optional[int] = None):
     """A second line per rank set, only for blocking reads (``wait`` in the store until a
     key exists): nobody polls, and the first line stays free for writes. Decisions on one
     rank set are serialised, so a set's waiting line holds at most that decision's read;
-    another set's decision, on another thread, waits on a line of its own."""
+    another set's decision, on another thread, waits on a line of its own. None for a
+    round of a replaced group (``line_epoch``): it polls on its own first line instead."""
     global _op_timeout_s
     with _line_lock:
+        if line_epoch is not None and line_epoch != _epoch:
+            return None
         _op_timeout_s = max(_op_timeout_s, float(vote_timeout_s) + 2.0)
         found = _waiters.get(key)
         if found is None:
@@ -301,85 +314,3 @@ def plain(exc: BaseException) -> BaseException:
     if (DistError and isinstance(exc, DistError)) or "Exception raised from" in str(exc):
         return StoreUnavailable(f"the c10d store failed: {short(exc)}")
     return exc
-
-
-# --------------------------------------------------------------------------- on the line
-# Helpers for the functions a round runs on the store thread (``s`` is the store).
-
-
-def text(raw) -> str:
-    """A store value as text."""
-    if isinstance(raw, (bytes, bytearray)):
-        return bytes(raw).decode(errors="replace")
-    return "" if raw is None else str(raw)
-
-
-def multi_set(s, keys: list, values: list) -> None:
-    if hasattr(s, "multi_set"):
-        s.multi_set(keys, values)
-    else:
-        for key, value in zip(keys, values):
-            s.set(key, value)
-
-
-def wait_key(s, key: str, until: float) -> bool:
-    """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
-    connection raises (the caller then polls on its first line)."""
-    import datetime
-
-    left = until - time.monotonic()
-    if left <= 0:
-        return False
-    try:
-        s.wait([key], datetime.timedelta(seconds=left))
-    except Exception as exc:  # noqa: BLE001 - a timeout reads as False
-        if is_timeout(exc):
-            return False
-        raise
-    return True
-
-
-POLL_S = 0.005  # only without a waiting line (a store without clone())
-
-
-def await_op(line_, steps, poll, until: float, tick=None, tick_after: float = 0.05,
-             tick_every: float = 0.1) -> tuple:
-    """Run ``steps(store)`` on ``line_`` (a waiting line: it blocks in the store) and wait
-    for it in slices: ``("op", its value)``; ``("tick", x)`` when ``tick()`` (run from
-    ``tick_after`` on, every ``tick_every``) returns x; ``(None, None)`` when ``until``
-    passes first. When the line fails, ``poll()`` (a bounded read on the first line) is
-    called instead until it returns a value: ``("poll", its value)``."""
-    op = line_.submit(steps)
-    next_tick = time.monotonic() + tick_after
-    try:
-        while True:
-            now = time.monotonic()
-            if now >= until:
-                return None, None
-            wake = min(until, next_tick) if tick is not None else until
-            if op is not None:
-                op.done.wait(max(min(SLICE_S, wake - now), 0))
-                if op.done.is_set():
-                    if op.error is None:
-                        return "op", op.value
-                    op = None  # the waiting line failed: poll on the first line
-            else:
-                time.sleep(max(min(POLL_S, wake - now), 0))
-                raw = poll()
-                if raw is not None:
-                    return "poll", raw
-            now = time.monotonic()
-            if now < next_tick:
-                continue
-            next_tick = now + tick_every
-            if op is not None and not op.started:  # the line is held by another read
-                raw = poll()
-                # act on the poll only if the op can no longer run: had it started during
-                # the poll, it would do the same step (an acknowledgement) a second time
-                if raw is not None and line_.cancel(op):
-                    return "poll", raw
-            found = tick() if tick is not None else None
-            if found is not None:
-                return "tick", found
-    finally:
-        forget(line_, op)

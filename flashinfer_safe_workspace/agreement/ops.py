@@ -1,0 +1,97 @@
+"""What a round runs on the store thread, and how its caller waits for a blocking step.
+
+The functions taking ``s`` run on one of our store lines' worker threads (``store``), with
+``s`` our own connection; ``await_op`` runs on the caller's thread and waits for such a
+step in slices, with a bounded poll on the first line as its fallback.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .store import SLICE_S, forget, is_timeout
+
+
+def text(raw) -> str:
+    """A store value as text."""
+    if isinstance(raw, (bytes, bytearray)):
+        return bytes(raw).decode(errors="replace")
+    return "" if raw is None else str(raw)
+
+
+def multi_set(s, keys: list, values: list) -> None:
+    if hasattr(s, "multi_set"):
+        s.multi_set(keys, values)
+    else:
+        for key, value in zip(keys, values):
+            s.set(key, value)
+
+
+def get_if(s, key: str):
+    """``key``'s value, or None when it is not there: never the store's blocking ``get``
+    (a round's keys go once its last rank is out, which may be while a waiting line of a
+    rank that gave up still runs its steps; its read then must not wait for the key)."""
+    return s.get(key) if s.check([key]) else None
+
+
+def wait_key(s, key: str, until: float) -> bool:
+    """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
+    connection raises (the caller then polls on its first line)."""
+    import datetime
+
+    left = until - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        s.wait([key], datetime.timedelta(seconds=left))
+    except Exception as exc:  # noqa: BLE001 - a timeout reads as False
+        if is_timeout(exc):
+            return False
+        raise
+    return True
+
+
+POLL_S = 0.005  # only without a waiting line (a store without clone())
+
+
+def await_op(line_, steps, poll, until: float, tick=None, tick_after: float = 0.05,
+             tick_every: float = 0.1) -> tuple:
+    """Run ``steps(store)`` on ``line_`` (a waiting line: it blocks in the store) and wait
+    for it in slices: ``("op", its value)``; ``("tick", x)`` when ``tick()`` (run from
+    ``tick_after`` on, every ``tick_every``) returns x; ``(None, None)`` when ``until``
+    passes first. When the line fails, ``poll()`` (a bounded read on the first line) is
+    called instead until it returns a value: ``("poll", its value)``."""
+    op = line_.submit(steps) if line_ is not None else None
+    next_tick = time.monotonic() + tick_after
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= until:
+                return None, None
+            wake = min(until, next_tick) if tick is not None else until
+            if op is not None:
+                op.done.wait(max(min(SLICE_S, wake - now), 0))
+                if op.done.is_set():
+                    if op.error is None:
+                        return "op", op.value
+                    op = None  # the waiting line failed: poll on the first line
+            else:
+                time.sleep(max(min(POLL_S, wake - now), 0))
+                raw = poll()
+                if raw is not None:
+                    return "poll", raw
+            now = time.monotonic()
+            if now < next_tick:
+                continue
+            next_tick = now + tick_every
+            if op is not None and not op.started:  # the line is held by another read
+                raw = poll()
+                # act on the poll only if the op can no longer run: had it started during
+                # the poll, it would do the same step (an acknowledgement) a second time
+                if raw is not None and line_.cancel(op):
+                    return "poll", raw
+            found = tick() if tick is not None else None
+            if found is not None:
+                return "tick", found
+    finally:
+        forget(line_, op)
