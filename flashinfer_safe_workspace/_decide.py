@@ -100,8 +100,13 @@ def _count_call(wkey) -> None:
         _board.count_call(_vote.members_key(ranks))
 
 
-def _remember(wkey, fast, info: VetoInfo) -> None:
+def _remember(wkey, fast, info: VetoInfo, epoch=None) -> None:
+    """Cache a veto; one decided under a default group since replaced (``epoch``) is not
+    kept. Checked under the cache's lock: a replacement bumps the epoch before it clears
+    the cache under that lock, so an old veto can never land in the new group's cache."""
     with _cache_lock:
+        if epoch is not None and epoch != _store.epoch():
+            return
         _veto_cache[wkey] = info
         if fast is not None:
             _fast[fast] = wkey
@@ -244,23 +249,28 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
                       or _checks.named_in(outcome.missing)) or "-"
     info = _explain.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
-    if _keep(outcome) and _store.epoch() == call.epoch:
-        _remember(call.wkey, call.fast, info)
+    if _keep(outcome, call.members.kind):
+        _remember(call.wkey, call.fast, info, call.epoch)
     return decision
 
 
-def _keep(outcome) -> bool:
+def _keep(outcome, kind: str) -> bool:
     """Whether a veto is cached: a decided register (the same answer on every rank), unless
     the register says a mismatch alone decided it. Two threads may make the same two calls
     in another order on each rank, and the call that lost is then made afresh, not refused
     for good. Judged from the register, which every rank of the round reads alike, never
-    from this rank's own view (its own no may have lost the register to a mismatch)."""
+    from this rank's own view (its own no may have lost the register to a mismatch).
+    Without a register: a local decision (one rank) is kept; a comm backend's exchange
+    (``allgather``) only when both exchanges completed and the calls matched."""
     if outcome.in_doubt:
         return False
     reg = outcome.register
-    if reg is None:  # decided here alone (one rank): nothing to disagree with
+    if reg is not None:
+        return not (reg.mismatch or tuple(reg.reasons) == (R.ARG_MISMATCH,))
+    if kind == "local":
         return True
-    return not (reg.mismatch or tuple(reg.reasons) == (R.ARG_MISMATCH,))
+    verdict = outcome.verdict
+    return verdict is not None and not verdict.mismatch and not outcome.missing
 
 
 def _tell_peers_no(members, record, deadline, settings) -> None:

@@ -393,6 +393,30 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         none_on(bound=2.0),
         reasons={0: ["INCOMPLETE"], 1: ["INCOMPLETE"]}),
     Scenario(
+        "comm_backend without a torch group: a one-off argument mismatch, then a matching call", 2,
+        _free() + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+class Gather:
+    def Get_rank(self): return RANK
+    def Get_size(self): return 2
+    def allgather(self, obj):
+        out = [None, None]
+        dist.all_gather_object(out, obj)
+        return out
+    def barrier(self): dist.barrier()
+dist.barrier()
+first = rank_lib.create(rank=RANK, comm_backend=Gather(), **({"max_token_num": 1024} if RANK == 0 else {}))
+dist.barrier()
+outcome, secs, err = rank_lib.create(rank=RANK, comm_backend=Gather())
+result.update(first=first[0], outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
+              live=dev.live_bytes)
+""",
+        "1st: None on both (the calls differ); 2nd: created on both at once (a mismatch over "
+        "a comm backend is not cached either)",
+        lambda runs: (created_on_all(runs),
+                      _expect([_res(runs, r)["first"] for r in (0, 1)] == ["none", "none"], runs),
+                      [_expect(_res(runs, r)["secs"] < 1.0, runs) for r in (0, 1)])),
+    Scenario(
         "2-rank subgroup of 4, other ranks busy", 4,
         _free() + """
 sub = dist.new_group([0, 1], backend="gloo")

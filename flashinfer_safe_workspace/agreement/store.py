@@ -277,8 +277,10 @@ def forget(line_, op) -> None:
 
 
 def _after_fork_in_child():
-    global _line, _line_lock, _waiters, _gone, _source
-    _line, _waiters, _gone, _source = None, {}, None, None
+    # the child keeps _source: a group it sets up later replaces the parent's, and then
+    # everything of the parent's group (cached vetoes too) is dropped (check_world)
+    global _line, _line_lock, _waiters, _gone
+    _line, _waiters, _gone = None, {}, None
     _line_lock = threading.Lock()
 
 
