@@ -188,11 +188,13 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         "store host (rank 0) stopped during the vote", 2,
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+host = peer_pid(0)  # read before the store stops answering
+dist.barrier()  # both start together: the stop lands inside rank 0's probe (before its record),
+# also on a loaded machine where one rank's start-up would otherwise lag by a second
 if RANK == 0:
-    dev.delay_s = 1.0
+    dev.delay_s = 2.0
 else:
     def stop_and_resume():
-        host = peer_pid(0)  # read before the store stops answering
         time.sleep(0.5); os.kill(host, signal.SIGSTOP)
         time.sleep(T + 3.0); os.kill(host, signal.SIGCONT)
     helper = threading.Thread(target=stop_and_resume, daemon=True); helper.start()
