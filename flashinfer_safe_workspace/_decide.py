@@ -192,8 +192,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
     call = _Call(req, bound, ident, version, members, settings, deadline, start, wkey, fast,
                  _store.epoch())
-    lock = (_board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
-            if members.kind != "local" else None)
+    lock = _set_lock(members) if members.kind != "local" else None
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
         info = _explain.local(f"another thread of this process was still deciding for ranks "
                               f"{list(members.ranks)} when the vote timeout ran out")
@@ -277,7 +276,7 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
     """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours).
     Serialised with this rank's other decisions on the set, like every round: two threads
     must not count the same round out twice."""
-    lock = _board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+    lock = _set_lock(members)
     if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
         return  # the peers time out on this rank's record: a veto there too
     try:
@@ -293,6 +292,11 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
             raise
     finally:
         lock.release()
+
+
+def _set_lock(members):
+    """The lock that serialises this process's decisions on ``members``' rank set."""
+    return _board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
 
 
 def _round_for(members, ident, deadline, settings, args=None):
