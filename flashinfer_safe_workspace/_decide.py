@@ -101,9 +101,8 @@ def _count_call(wkey) -> None:
 
 
 def _remember(wkey, fast, info: VetoInfo, epoch=None) -> None:
-    """Cache a veto; one decided under a default group since replaced (``epoch``) is not
-    kept. Checked under the cache's lock: a replacement bumps the epoch before it clears
-    the cache under that lock, so an old veto can never land in the new group's cache."""
+    """Cache a veto, unless its default group was replaced since (``epoch``; checked under
+    the cache's lock, which a replacement's clear takes after bumping the epoch)."""
     with _cache_lock:
         if epoch is not None and epoch != _store.epoch():
             return
@@ -254,13 +253,10 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
 
 
 def _keep(outcome, kind: str) -> bool:
-    """Whether a veto is cached: a decided register (the same answer on every rank), unless
-    the register says a mismatch alone decided it. Two threads may make the same two calls
-    in another order on each rank, and the call that lost is then made afresh, not refused
-    for good. Judged from the register, which every rank of the round reads alike, never
-    from this rank's own view (its own no may have lost the register to a mismatch).
-    Without a register: a local decision (one rank) is kept; a comm backend's exchange
-    (``allgather``) only when both exchanges completed and the calls matched."""
+    """Whether a veto is cached: a decided register, unless a mismatch alone decided it
+    (two threads may make the same two calls in another order on each rank). Judged from
+    the register, which every rank reads alike, not from this rank's own no. Without one:
+    kept for a local decision; for a comm backend only if both exchanges matched."""
     if outcome.in_doubt:
         return False
     reg = outcome.register
