@@ -93,11 +93,9 @@ def cached_veto(entry: str, original: Callable, args: tuple, kwargs: dict):
 
 
 def _count_call(wkey) -> None:
-    """A call answered from the cache still counts on the rank set's board (``board``): a
-    peer that waits for it in a round of its own then knows this rank is ahead."""
-    _entry, ranks, kind, _ident = wkey
-    if kind == "store":
-        _board.count_call(_vote.members_key(ranks))
+    """A cached answer still counts on the rank set's board: a waiting peer sees we are ahead."""
+    if wkey[2] == "store":  # (entry, ranks, kind, identity)
+        _board.count_call(_vote.members_key(wkey[1]))
 
 
 def _remember(wkey, fast, info: VetoInfo, epoch=None) -> None:
@@ -146,7 +144,7 @@ class _Call:
     start: float
     wkey: tuple
     fast: object = None
-    epoch: int = 0  # the default group's generation when the call began (store.epoch)
+    epoch: int = 0  # store.epoch() when the call began
 
 
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
@@ -232,8 +230,7 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
                      _request.summary(call.req))
     outcome, record = _run_round(rnd, call, decision)
     decision.elapsed_ms = (time.perf_counter() - call.start) * 1000
-    if outcome.register is not None and outcome.register.outcome == PASS:  # every rank:
-        # FlashInfer rejects the arguments itself
+    if outcome.register is not None and outcome.register.outcome == PASS:  # all reject it
         decision.action, decision.logged = "call", False
         decision.reason = "FlashInfer rejects these arguments on every rank"
         return decision
@@ -290,8 +287,7 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
         lock.release()
 
 
-def _set_lock(members):
-    """The lock that serialises this process's decisions on ``members``' rank set."""
+def _set_lock(members):  # the lock that serialises this process's decisions on a rank set
     return _board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
 
 
