@@ -1,4 +1,4 @@
-"""The env-var grammar, precedence, warnings, and the README table against the code's."""
+"""The env-var grammar, precedence, warnings, and the docs' table (docs/settings.md) against the code's."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_only_config_reads_the_environment():
 
 
 def _readme_rows():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "settings.md").read_text()
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]

@@ -1,4 +1,4 @@
-"""The README's commands are the ones CI runs."""
+"""The README's commands are the ones CI runs; the docs' checked tables and links hold."""
 
 from pathlib import Path
 
@@ -24,7 +24,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert tests in ci
 
 
-def test_readme_engine_rows_match_the_verified_table():
+def test_on_veto_engine_rows_match_the_verified_table():
     import re
     import sys
 
@@ -33,22 +33,22 @@ def test_readme_engine_rows_match_the_verified_table():
 
     verified = {k: v for k, v in doc_outcomes().items() if k != ("Engine", "Release")}
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "on-veto.md").read_text().splitlines():
         m = re.match(r"^\| (vLLM|SGLang|lmdeploy|aphrodite-engine) \| ([0-9][^|]*) \| "
                      r"`([^`]*)` \| `([^`]*)` \| `([^`]*)` \|$", line)
         if m:
             rows[(m[1], m[2].strip())] = {"none": m[3], "raise": m[4], "auto": m[5]}
-    assert rows, "README has no verified engine rows"
+    assert rows, "docs/on-veto.md has no verified engine rows"
     assert rows == verified
 
 
 def _layout_tree(text: str) -> list:
-    """The paths the README's Layout block names, in order, once per mention: an indented
+    """The paths the Layout block (docs/layout.md) names, in order, once per mention: an indented
     tree, two spaces a level; a line indented deeper than one level below the folder
     above it continues the description before it."""
     import re
 
-    block = text[text.index("## Layout"):]
+    block = text[text.index("# Layout"):]
     block = block[:block.index("\n## ", 4)] if "\n## " in block[4:] else block
     stack, out = [], []
     for line in block.splitlines():
@@ -80,9 +80,9 @@ def _package_tree() -> set:
 
 
 def test_layout_section_is_the_package_tree():
-    """The README's Layout block names every module and folder of the package, in place,
-    and each exactly once."""
-    listed = _layout_tree((ROOT / "README.md").read_text())
+    """The Layout block (docs/layout.md) names every module and folder of the package, in
+    place, and each exactly once."""
+    listed = _layout_tree((ROOT / "docs" / "layout.md").read_text())
     twice = sorted({p for p in listed if listed.count(p) > 1})
     assert not twice, f"listed more than once: {twice}"
     present = _package_tree()
@@ -100,3 +100,112 @@ def test_layout_parser_sees_a_duplicate_and_skips_wrapped_descriptions():
              "        b.py        two\n"
              "      a.py          again\n")
     assert _layout_tree(block) == ["pkg/", "pkg/a.py", "pkg/sub/", "pkg/sub/b.py", "pkg/a.py"]
+
+
+# ----------------------------------------------------------------------------- relative links
+
+_LINK = r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)"
+
+
+def _prose(text: str, inline: bool = True) -> str:
+    """The text with fenced and indented code blocks (and, with ``inline``, inline code)
+    blanked out: a link written inside code is an example, not a link."""
+    import re
+
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            out.append("")
+        elif fenced or line.startswith("    ") or line.startswith("\t"):
+            out.append("")
+        else:
+            out.append(re.sub(r"`[^`]*`", "", line) if inline else line)
+    return "\n".join(out)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces to
+    hyphens."""
+    import re
+
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    text = text.replace("`", "").lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set:
+    import re
+
+    seen, anchors = {}, set()
+    for line in _prose(path.read_text(), inline=False).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = _slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+_REPO_PATH = (r"`((?:docs|bench|scripts|tests|flashinfer_safe_workspace|sitecustomize_example|\.ci)"
+              r"/[^`\s]*)`")
+
+
+def broken_links(page: Path, root: Path = ROOT) -> list:
+    """Every relative link of a Markdown page whose file, folder or heading is missing, and
+    every repository path written as code (`docs/gpu/…/`, from the repository's root) that
+    does not exist; a path with a wildcard or placeholder, or a test id's ``::`` part, is
+    taken as far as it is literal."""
+    import re
+
+    bad = []
+    for path in re.findall(_REPO_PATH, _prose(page.read_text(), inline=False)):
+        literal = path.split("::")[0]
+        if not re.search(r"[*…<>{}\[\]]", literal) and not (root / literal).exists():
+            bad.append(f"`{path}` (no such path)")
+    for target in re.findall(_LINK, _prose(page.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path_part, _, anchor = target.partition("#")
+        dest = (page.parent / path_part).resolve() if path_part else page
+        if not dest.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and dest.is_file() and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target} (no heading #{anchor})")
+    return bad
+
+
+def _pages() -> list:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "CHANGELOG.md",
+            ROOT / "bench" / "RESULTS.md"]
+
+
+def test_every_relative_link_resolves():
+    """Every relative link in README.md, docs/**/*.md, CHANGELOG.md and bench/RESULTS.md
+    names a file or folder that exists, and a heading of it where it names one; every
+    repository path they write as code exists."""
+    pages = _pages()
+    assert len(pages) > 10 and all(p.exists() for p in pages)
+    bad = {str(p.relative_to(ROOT)): broken_links(p) for p in pages}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_link_checker_sees_a_missing_file_and_a_missing_heading(tmp_path):
+    """The checker the link test relies on: a missing file, a missing heading, a heading of
+    the page itself, a repository path written as code that is gone; links inside code are
+    skipped, and a heading with code and punctuation gets GitHub's anchor."""
+    (tmp_path / "other.md").write_text("# Other\n\n## The `ON_VETO` table, per engine\n")
+    (tmp_path / "docs" / "gpu" / "kept").mkdir(parents=True)
+    page = tmp_path / "page.md"
+    page.write_text("# Top\n\n## Seeing it\n\n"
+                    "[a](other.md) [b](other.md#the-on_veto-table-per-engine) [c](#seeing-it)\n"
+                    "[d](gone.md) [e](other.md#nowhere) [f](#top-2) [g](https://example.org/x)\n"
+                    "`[h](gone-too.md)`\n\n    [i](gone-three.md)\n"
+                    "`docs/gpu/kept/` `docs/gpu/pruned/` `docs/gpu/*.jsonl` `tests/t.py::test_x`\n")
+    assert broken_links(page, root=tmp_path) == [
+        "`docs/gpu/pruned/` (no such path)", "`tests/t.py::test_x` (no such path)",
+        "gone.md (no such file)", "other.md#nowhere (no heading #nowhere)",
+        "#top-2 (no heading #top-2)"]
