@@ -77,13 +77,13 @@ def _choice(*choices: str):
 class Var(NamedTuple):
     name: str  # full variable name
     field: str  # Settings attribute
-    kind: str  # shown in the README table
+    kind: str  # shown in the docs/settings.md table
     default: Any
     parse: Callable[[str], Any]
     meaning: str
 
 
-# The single source of truth. The README's table is checked against it by a test.
+# The single source of truth. docs/settings.md's table is checked against it by a test.
 VARIABLES: tuple[Var, ...] = (
     Var(PREFIX, "enabled", "bool", False, parse_bool,
         "Master switch for every activation path (the `.pth` line, the `.start` file, the "

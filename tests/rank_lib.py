@@ -124,7 +124,7 @@ PLAN_BYTES = {
     64: 1075838976 + 2097152 + 3223322624 + 3 * 8 * 64 + 20 + (3 * 64 + 1) * 8,  # 4301261852
     72: 1210056704 + 2097152 + 3625975808 + 3 * 8 * 72 + 20 + (3 * 72 + 1) * 8,  # 4838133148
 }
-# HEADROOM_MB=auto over a gloo group: the small reserve (README, "HEADROOM_MB")
+# HEADROOM_MB=auto over a gloo group: the small reserve (docs/settings.md, "HEADROOM_MB")
 SMALL_RESERVE_MB = 64
 
 

@@ -1,6 +1,6 @@
 """Every subcommand fed a table of bad inputs, each in a fresh interpreter: never a
 traceback, a message naming what is wrong, and the documented exit code (2: refused or
-cannot tell; ``cli/main.py``'s docstring and the README's "Operating it")."""
+cannot tell; ``cli/main.py``'s docstring and docs/operating.md, "Commands")."""
 
 from __future__ import annotations
 
