@@ -17,6 +17,19 @@ def test_readme_starts_with_demo_and_test_commands():
     assert "torch==2.13.0" in demo and "torch==2.13.0" in tests
 
 
+def test_readme_is_a_front_door():
+    """At most about 200 lines, and its first screen (40 lines) carries the serving engineer's
+    path: the install, the variable under vLLM and SGLang, where the decision line shows."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    screen = "\n".join(lines[:40])
+    for needed in ("pip install flashinfer-safe-workspace", "FLASHINFER_SAFE_WORKSPACE=1 vllm serve",
+                   "FLASHINFER_SAFE_WORKSPACE=1 python -m sglang.launch_server",
+                   "## Seeing the decision line", "FLASHINFER_SAFE_WORKSPACE_DEBUG=1",
+                   "download.pytorch.org/whl/cpu"):
+        assert needed in screen, needed
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     tests = _commands()[1]
     ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines()
