@@ -46,7 +46,7 @@ def activate(path: str) -> None:
     try:
         from .bootstrap import main
 
-        main(path)
+        main(path, plainly_on())
     except Exception:  # noqa: BLE001 - the bootstrap reports its own failures
         pass
 
