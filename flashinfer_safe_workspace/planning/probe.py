@@ -22,7 +22,7 @@ from . import rankfacts as _rf
 from .rankfacts import Fabric, RankFacts
 
 # the driver's bindings (shared with handles); callers outside planning name them here
-from .driver import CudaError, ProbeUnavailable, checked, driver_module  # noqa: F401
+from .driver import CudaError, ProbeUnavailable, checked, driver_module
 
 from .._reasons import OK, OUT_OF_MEMORY, PROBE_ERROR
 
