@@ -5,6 +5,9 @@ Activated by ``FLASHINFER_SAFE_WORKSPACE=1`` through the installed ``.pth`` line
 ``.start`` file, or through an engine's plugin entry point (all of them call
 ``activation.gate``), or explicitly with :func:`install`. Importing the package activates
 nothing by itself.
+
+The modules form layers, and every import points down them: docs/design.md draws them
+and holds the table that ``scripts/layers`` checks the imports against.
 """
 
 from __future__ import annotations

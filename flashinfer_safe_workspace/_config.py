@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any, Callable, Mapping, NamedTuple
 
-from .activation.gate import OFF as _FALSE, ON as _TRUE, VARIABLE as PREFIX  # one home
+from ._switch import OFF as _FALSE, ON as _TRUE, VARIABLE as PREFIX  # one home
 
 _log = logging.getLogger("flashinfer_safe_workspace")
 

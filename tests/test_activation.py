@@ -60,6 +60,7 @@ def run_bare(code: str, value, *, extra_path=(), timeout=60.0) -> dict:
 
 
 GATE_ONLY = ["flashinfer_safe_workspace", "flashinfer_safe_workspace._errors",
+             "flashinfer_safe_workspace._switch",
              "flashinfer_safe_workspace._version", "flashinfer_safe_workspace.activation",
              "flashinfer_safe_workspace.activation.gate"]
 

@@ -46,6 +46,7 @@ def test_off_loads_only_the_gate(value):
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     loaded = json.loads([l for l in proc.stdout.splitlines() if l.startswith("OUT")][-1][3:])
     assert loaded == sorted(["flashinfer_safe_workspace", "flashinfer_safe_workspace._errors",
+                             "flashinfer_safe_workspace._switch",
                              "flashinfer_safe_workspace._version",
                              "flashinfer_safe_workspace.activation",
                              "flashinfer_safe_workspace.activation.gate"])

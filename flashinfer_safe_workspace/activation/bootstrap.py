@@ -16,8 +16,6 @@ from __future__ import annotations
 import _thread
 import sys
 
-from .gate import plainly_on
-
 _done = False
 _lock = _thread.allocate_lock()
 hooks_registered = False  # wrapt post-import hooks are in place
@@ -48,15 +46,16 @@ def watching() -> bool:
     return any(isinstance(f, _FlashInferWatcher) for f in sys.meta_path)
 
 
-def main(path: str) -> None:
-    """Activate from the environment, once per process, on behalf of ``path``."""
+def main(path: str, plainly_on: bool) -> None:
+    """Activate from the environment, once per process, on behalf of ``path``;
+    ``plainly_on``: the gate found the switch in one of its "on" spellings."""
     global _done
     with _lock:
         if _done:  # .pth files run twice in venvs; a plugin after the .pth; etc.
             return
         _done = True
     try:
-        if plainly_on() and "flashinfer" not in sys.modules:
+        if plainly_on and "flashinfer" not in sys.modules:
             sys.meta_path.insert(0, _FlashInferWatcher(path))  # the rest waits for flashinfer
             note_activation(path)
             return

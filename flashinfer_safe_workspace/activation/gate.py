@@ -13,14 +13,13 @@ Importing the package does not activate anything: the CLI and ``install()`` impo
 
 This module is the one place besides ``_config`` that reads the environment: importing
 ``_config`` (dataclasses, logging, …) costs milliseconds that a process which never imports
-FlashInfer should not pay. The boolean spellings live here, and ``_config`` uses them.
+FlashInfer should not pay. The variable's name and its boolean spellings live in
+``_switch`` (beneath both), which ``_config`` reads too.
 """
 
 import os
 
-VARIABLE = "FLASHINFER_SAFE_WORKSPACE"
-ON = frozenset({"1", "true", "yes", "on"})
-OFF = frozenset({"0", "false", "no", "off"})
+from .._switch import OFF, ON, VARIABLE
 
 
 def _raw() -> str:
@@ -47,7 +46,7 @@ def activate(path: str) -> None:
     try:
         from .bootstrap import main
 
-        main(path)
+        main(path, plainly_on())
     except Exception:  # noqa: BLE001 - the bootstrap reports its own failures
         pass
 

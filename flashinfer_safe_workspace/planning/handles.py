@@ -12,13 +12,13 @@ import contextlib
 import ctypes
 import os
 
+from .driver import checked
+
 SYS_PIDFD_GETFD = 438  # the same number on x86_64 and aarch64 (generic syscall table)
 
 
 @contextlib.contextmanager
 def _context(prober, dev: int):
-    from .probe import checked
-
     drv = prober.driver()
     cu_dev = checked(drv.cuDeviceGet(dev))
     ctx = checked(drv.cuDevicePrimaryCtxRetain(cu_dev))
@@ -41,8 +41,6 @@ def _type(drv, handle: str):
 def export(prober, handle: str, dev: int):
     """``(token, keep)``: one granule of ``handle`` type, exported. ``keep`` is released
     by :func:`release`; on a failure here everything made so far is released."""
-    from .probe import checked
-
     with _context(prober, dev) as drv:
         prop = prober.allocation_prop(dev, handle, False)
         gran = int(checked(drv.cuMemGetAllocationGranularity(
@@ -85,8 +83,6 @@ def _pidfd_getfd(pid: int, fd: int) -> int:
 
 def import_release(prober, handle: str, token: dict, dev: int) -> None:
     """Import a peer's exported granule and release the import at once; raises on failure."""
-    from .probe import checked
-
     if token.get("type") != handle:
         raise RuntimeError(f"the peer exported {token.get('type')!r}, this rank expects {handle!r}")
     local_fd = None

@@ -21,6 +21,9 @@ from .plan import DEFAULT_GRANULARITY, DEFAULT_MC_GRANULARITY, Facts, Plan, roun
 from . import rankfacts as _rf
 from .rankfacts import Fabric, RankFacts
 
+# the driver's bindings (shared with handles); callers outside planning name them here
+from .driver import CudaError, ProbeUnavailable, checked, driver_module
+
 from .._reasons import OK, OUT_OF_MEMORY, PROBE_ERROR
 
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
@@ -63,46 +66,8 @@ class ProbeResult:
         return OK if self.ok else self.failed.reason
 
 
-class ProbeUnavailable(RuntimeError):
-    """No driver, no bindings, no device: this rank cannot probe."""
-
-
 class DriverQueryFailed(RuntimeError):
     """A driver query the plan depends on (attribute, granularity) failed."""
-
-
-# --------------------------------------------------------------------------- CUDA
-
-
-def driver_module():
-    """The cuda-python driver module: 13.x ``cuda.bindings.driver`` or 12.x ``cuda.cuda``."""
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6 / 13.x
-        return driver
-    except ImportError:
-        pass
-    try:
-        from cuda import cuda as driver  # cuda-python 12.x
-        return driver
-    except ImportError as exc:
-        raise ProbeUnavailable(f"cuda-python driver bindings not importable: {exc}") from None
-
-
-def checked(result):
-    """Unpack a cuda-python ``(err, *values)`` tuple; raise ``CudaError`` on failure."""
-    err = result[0]
-    if int(err) != 0:
-        raise CudaError(err)
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
-
-
-class CudaError(RuntimeError):
-    def __init__(self, err):
-        self.code = int(err)
-        self.name = getattr(err, "name", str(err))
-        super().__init__(self.name)
 
 
 class CudaProber:
