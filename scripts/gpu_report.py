@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any, Optional
 
+import gpu_report_hang  # case w's section (scripts/ is on sys.path: this folder)
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -725,7 +727,7 @@ def render_n(case: dict) -> list:
 
 RENDERERS = {"a": render_a, "b": render_b, "d": render_d, "e": render_e, "f": render_f,
              "g": render_g, "h": render_h, "p": render_p, "q": render_q, "k": render_k,
-             "l": render_l, "n": render_n}
+             "l": render_l, "n": render_n, "w": gpu_report_hang.render_w}
 
 # Notes on evidence from the earlier two-GPU host that no case regenerates.
 OTHER_EVIDENCE = """## Other evidence from the two-GPU host (commit 6673930)
