@@ -777,8 +777,9 @@ def render(res: dict, older: tuple = ()) -> str:
     for key, case, source in merged_cases(res, older):
         lines += case_head(key, case)
         if source is not res:
-            lines += [f"*Earlier run: {profile_of(source)} at commit {commit_of(source)}; not "
-                      "re-run at this commit.*", ""]
+            fi = _get(source, "env", "flashinfer", "version")
+            lines += [f"*Earlier run: {profile_of(source)} at commit {commit_of(source)}"
+                      + (f", FlashInfer {fi}" if fi else "") + "; not re-run at this commit.*", ""]
         if case.get("status") == "skipped":
             continue
         try:
