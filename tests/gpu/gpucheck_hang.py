@@ -76,6 +76,16 @@ def read_stacks(signal_dir: str, world: int, limit: int = 8000) -> dict:
     return out
 
 
+def outcome_text(o: dict, bound: float) -> str:
+    """describe_outcome, with sub-second times in milliseconds."""
+    seconds = o.get("seconds")
+    if o.get("kind") in ("returned", "raised") and isinstance(seconds, float) and seconds < 1:
+        what = (f"returned ({o.get('note')})" if o["kind"] == "returned"
+                else f"raised {str(o.get('type')).rsplit('.', 1)[-1]}")
+        return f"{what} after {seconds * 1000:.0f} ms"
+    return describe_outcome(o, bound)
+
+
 def rank_row(run: dict, rank: int, variant: str, bound: float) -> dict:
     o = _outcome_of_call(run, rank, "create")
     ans = first(run, rank, "answer") or {}
@@ -84,7 +94,7 @@ def rank_row(run: dict, rank: int, variant: str, bound: float) -> dict:
     hits = events(run, rank, "entered")
     answered = o.get("kind") in ("returned", "raised")
     return {"variant": variant, "rank": rank, "starved": bool(snap.get("starved")),
-            "free_before": snap.get("free"), "outcome": o, "text": describe_outcome(o, bound),
+            "free_before": snap.get("free"), "outcome": o, "text": outcome_text(o, bound),
             "seconds": o.get("seconds") if answered else o.get("blocked_s"),
             "blocked_at_bound": o.get("kind") == "blocked",
             "entered_flashinfer": [h["target"] for h in hits if h.get("kind") == "flashinfer"],
