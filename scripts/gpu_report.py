@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any, Optional
 
+import gpu_report_hang  # case w's section (scripts/ is on sys.path: this folder)
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -725,7 +727,7 @@ def render_n(case: dict) -> list:
 
 RENDERERS = {"a": render_a, "b": render_b, "d": render_d, "e": render_e, "f": render_f,
              "g": render_g, "h": render_h, "p": render_p, "q": render_q, "k": render_k,
-             "l": render_l, "n": render_n}
+             "l": render_l, "n": render_n, "w": gpu_report_hang.render_w}
 
 # Notes on evidence from the earlier two-GPU host that no case regenerates.
 OTHER_EVIDENCE = """## Other evidence from the two-GPU host (commit 6673930)
@@ -775,8 +777,9 @@ def render(res: dict, older: tuple = ()) -> str:
     for key, case, source in merged_cases(res, older):
         lines += case_head(key, case)
         if source is not res:
-            lines += [f"*Earlier run: {profile_of(source)} at commit {commit_of(source)}; not "
-                      "re-run at this commit.*", ""]
+            fi = _get(source, "env", "flashinfer", "version")
+            lines += [f"*Earlier run: {profile_of(source)} at commit {commit_of(source)}"
+                      + (f", FlashInfer {fi}" if fi else "") + "; not re-run at this commit.*", ""]
         if case.get("status") == "skipped":
             continue
         try:

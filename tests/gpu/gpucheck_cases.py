@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TREE_PACKAGE = os.path.join(ROOT, "flashinfer_safe_workspace")  # the working tree's copy
 RANK_SCRIPT = os.path.join(HERE, "gpucheck_rank.py")
 PTH_SCRIPT = os.path.join(HERE, "gpucheck_pth_rank.py")
+HANG_SCRIPT = os.path.join(HERE, "gpucheck_hang_rank.py")  # case w (gpucheck_hang)
 PREFIX = "@@GPUCHECK "
 MiB = 1 << 20
 
@@ -1480,6 +1481,14 @@ def _mib_list(values) -> str:
     return "+".join(f"{v / MiB:g}" for v in values or [] if isinstance(v, (int, float)))
 
 
+def case_w(ctx: Ctx) -> dict:
+    """The one-GPU hang with FlashInfer 0.7.2.post1, with and without the shim (its own
+    module: ``gpucheck_hang``)."""
+    import gpucheck_hang
+
+    return gpucheck_hang.case_w(ctx)
+
+
 # --------------------------------------------------------------------------- registry
 
 # (key, title, function, minimum seconds it needs to be worth starting), in run order:
@@ -1498,7 +1507,13 @@ CASES = [
     ("k", "Cold-NCCL boundary, FlashInfer alone: its true need above the plan", case_k, 60),
     ("l", "The shim at its default headroom across the cold/warm NCCL and gloo boundary", case_l, 60),
     ("n", "Allocator C (torch symmetric memory) plan truth", case_n, 40),
+    ("w", "The hang on one GPU, FlashInfer 0.7.2.post1: the peer inside the creation, then "
+          "the starved rank; without and with the shim", case_w, 100),
 ]
+# Cases that reach no FlashInfer kernel: a run of only these needs no trtllm_comm module
+# (gpu-check then skips its preflight, which would JIT-build it for a release without a
+# prebuilt cache).
+NO_KERNEL_CASES = {"w"}
 CASE_TITLES = {key: title for key, title, _, _ in CASES}
 
 # Which cases each device kind runs, in order. One GPU: two ranks share cuda:0 over a

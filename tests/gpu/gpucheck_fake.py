@@ -8,7 +8,8 @@ What is faked, per rank process:
 - the body of FlashInfer's legacy creation function (the real unified function, the
   real ``TRTLLMAllReduceFusionWorkspace`` and every binding of the legacy function,
   wrapped by the shim or not, stay FlashInfer's): it follows 0.7.4's allocation
-  sequence (B4: FABRIC attempt, released, then POSIX; a vote after each attempt)
+  sequence (B4: FABRIC attempt, released, then POSIX; a vote after each attempt), or
+  with ``GPUCHECK_FAKE_ALLOCATOR=B3`` 0.7.2.post1's (POSIX, no vote, then the fd exchange)
   through ``flashinfer.comm.mnnvl.cuda`` and ``flashinfer.comm.trtllm_ar.cudart``,
   which are replaced by fakes (so case e's recorder wraps them as it wraps the real ones);
 - ``allreduce_fusion`` (gloo all-reduce, then the residual + RMSNorm on the CPU);
@@ -274,6 +275,29 @@ def _b4_alloc(drv, size):
                        f"handles failed:\n{failed}")
 
 
+# Which of FlashInfer's symmetric-memory procedures the fake follows: B4 (0.7.4, the
+# default: the handle type and every cuMemCreate are voted) or B3 (0.6.16-0.7.2.post1:
+# no vote; the hang case w sets GPUCHECK_FAKE_ALLOCATOR=B3).
+ALLOCATOR = os.environ.get("GPUCHECK_FAKE_ALLOCATOR", "B4")
+
+
+def fake_exchange_fds(handle):
+    """B3's POSIX fd exchange: its first step is an all-gather of socket paths, which
+    waits for every rank (the hang case's peer blocks here)."""
+    return _collective(("fd", int(handle)))
+
+
+def _b3_alloc(drv, size):
+    """One SymmDeviceMemory as 0.6.16-0.7.2.post1 make it on one host: POSIX fds chosen
+    locally, cuMemCreate with no vote (an OOM raises on this rank alone, as
+    checkCudaErrors does), then the fd exchange."""
+    result = drv.cuMemCreate(size, FakeProp(POSIX), 0)
+    if int(result[0]) != 0:
+        raise RuntimeError(f"CUDA error: {result[0].name}")
+    fake_exchange_fds(result[1])
+    return result[1]
+
+
 def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=False,
                 group=None, create_metadata=False, comm_backend=None, use_symm_dev_mem=False):
     """0.7.4's trtllm_create_ipc_workspace_for_all_reduce_fusion, B4 path only."""
@@ -292,7 +316,7 @@ def fake_legacy(tp_rank, tp_size, max_token_num, hidden_dim, use_fp32_lamport=Fa
     refs, ipc = [], []
     for size in (buffer_size, flag_size, 3 * lamport_comm):
         alloc = _ru(_ru(size, 16) + SIGNAL_PAD, GRAN)
-        handle = _b4_alloc(drv, alloc)
+        handle = _b3_alloc(drv, alloc) if ALLOCATOR == "B3" else _b4_alloc(drv, alloc)
         mapped = None
         if MAP_BYTES:  # cuMemMap/cuMemSetAccess after the vote: a failure here is one-sided
             mapped = _device.gpu.create(MAP_BYTES)
