@@ -186,6 +186,8 @@ def test_help_says_each_default_once():
         assert text.count("(default:") == len(re.findall(r"\(default: [^)]*\)", text))
     plan = " ".join(cli("plan --help").stdout.split())
     assert "(default: the installed FlashInfer)" in plan and "(default: from --facts)" in plan
+    assert "this rank (below --world-size) (default: 0)" in plan  # a 0 is a default too
+    assert "CUDA ordinal asked for the driver's facts (default: 0)" in plan
 
 
 def test_the_console_script_names_itself():

@@ -115,7 +115,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False) or "(default" in text:
+        if action.default is None or action.default is False or "(default" in text:
             return text
         return super()._get_help_string(action)
 
