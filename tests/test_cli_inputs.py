@@ -219,3 +219,26 @@ def test_help_shows_defaults_and_hides_internal_commands():
     assert "--default-shape" in check and "required unless --default-shape" in check
     demo = cli("demo --help").stdout
     assert "{auto,none,raise}" in demo and "(default: auto)" in demo
+
+
+def test_docs_cli_covers_the_console_script_every_command_and_exit_code():
+    """docs/cli.md is the reference: the console script pyproject installs, a section per
+    subcommand the parser has, and a row per exit code the commands use."""
+    import importlib
+    from pathlib import Path
+
+    _main = importlib.import_module("flashinfer_safe_workspace.cli.main")  # the module
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "cli.md").read_text()
+    script = re.search(r'^(\S+) = "flashinfer_safe_workspace\.cli:main"',
+                       (root / "pyproject.toml").read_text(), re.M).group(1)
+    assert script == "flashinfer-safe-workspace" and f"    {script} " in doc
+    assert sorted(_main.COMMANDS) == ["check", "demo", "doctor", "plan"]
+    usage = cli("--help").stdout
+    for name in _main.COMMANDS:
+        assert f"    {name} " in usage, name  # each is a real subcommand
+        assert re.search(rf"^## `{name}`", doc, re.M), name
+        assert f"{script} {name}" in doc, name
+    for code in _main.EXIT_CODES:
+        assert re.search(rf"^\| {code} \|", doc, re.M), code

@@ -209,6 +209,7 @@ def _add_check(sub) -> None:
 
 
 MODULE_PROG = "python -m flashinfer_safe_workspace"
+COMMANDS = ("demo", "plan", "check", "doctor")  # the subcommands, as --help lists them
 
 
 def prog_name(argv0: Optional[str] = None) -> str:
@@ -227,7 +228,7 @@ def build_parser(prog: str = MODULE_PROG) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"flashinfer-safe-workspace {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,plan,check,doctor}")
+                                metavar="{" + ",".join(COMMANDS) + "}")
     _add_demo(sub)
     _add_plan(sub)
     _add_check(sub)
