@@ -18,6 +18,8 @@ from typing import Optional
 PTH_NAME = "flashinfer_safe_workspace.pth"
 START_NAME = "flashinfer_safe_workspace.start"  # PEP 829: run instead of the .pth line on 3.15+
 WIDTH = 100  # doctor's lines are wrapped to this many characters
+# doctor's exit codes (main.EXIT_CODES: 0 and 1 as every command's yes and no; 3 its own)
+ACTIVE, NOT_ACTIVE, VETOES_ALL = 0, 1, 3
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -345,14 +347,12 @@ def run_doctor(args) -> int:
     call here would be vetoed (the report says which check, per backend)."""
     import json
 
-    from .main import NO, VETOES_ALL, YES
-
     report = doctor_report(import_flashinfer=not args.no_import)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(format_doctor(report))
     if not report["active"]:
-        return NO
-    return VETOES_ALL if report["vetoes_every_call"] else YES
+        return NOT_ACTIVE
+    return VETOES_ALL if report["vetoes_every_call"] else ACTIVE
 

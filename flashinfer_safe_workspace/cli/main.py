@@ -2,7 +2,8 @@
 or ``python -m flashinfer_safe_workspace …``; messages name the one that was run.
 
 The parser, the checks on argument values, and the dispatch; each command lives in its own
-module of this package and is imported when it runs. docs/cli.md is the reference.
+module of this package and is imported when it runs (doctor's, whose exit code 3 the help
+names, at start). docs/cli.md is the reference.
 
 Exit codes, the same for every command (``EXIT_CODES``):
 
@@ -22,8 +23,9 @@ import os
 import sys
 from typing import Optional
 
+from .doctor import VETOES_ALL  # doctor only: active, but every call here would be vetoed
+
 YES, NO, CANNOT_TELL = 0, 1, 2
-VETOES_ALL = 3  # doctor only: active, but every call here would be vetoed
 EXIT_CODES = {YES: "yes", NO: "no", CANNOT_TELL: "refused / cannot tell",
               VETOES_ALL: "doctor: active, but every call would be vetoed"}
 EPILOG = ("exit codes (every command): 0 yes (plan printed, fits, every rank answered, active); "
