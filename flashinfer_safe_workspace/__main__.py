@@ -1,5 +1,6 @@
 import sys
 
 from .cli import main
+from .cli.main import MODULE_PROG
 
-sys.exit(main())
+sys.exit(main(prog=MODULE_PROG))

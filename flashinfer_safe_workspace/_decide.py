@@ -306,9 +306,9 @@ def _round_for(members, ident, deadline, settings, args=None):
 def _warn_version(version, settings):
     if version not in _version_warned:
         _version_warned.add(version)
-        logger.warning("flashinfer_safe_workspace %s: FlashInfer %s is newer than the newest "
-                       "release mirrored (%s); UNKNOWN_VERSION=%s", rank_tag(), version,
-                       _request.newest(), settings.unknown_version)
+        logger.warning("flashinfer_safe_workspace %s: FlashInfer %s is %s; "
+                       "UNKNOWN_VERSION=%s", rank_tag(), version,
+                       _request.unverified_why(version), settings.unknown_version)
 
 
 # --------------------------------------------------------------------------- this rank

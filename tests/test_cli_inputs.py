@@ -5,6 +5,8 @@ cannot tell; ``cli/main.py``'s docstring and docs/operating.md, "Commands")."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -35,7 +37,7 @@ BAD = [
     ("plan --facts gpu", "--facts"),
     ("plan --granularity 1", "at least 4096"),
     ("plan --multicast-granularity 2048 --backend mnnvl", "--multicast-granularity"),
-    ("plan --granularity 4294967296", "--granularity"),
+    ("plan --granularity 2199023255552", "at most 1099511627776"),  # 2^41
     ("plan --entry legacy --backend mnnvl", "--entry legacy"),
     ("plan --use-symm-dev-mem", "--use-symm-dev-mem"),
     ("plan --entry bogus", "--entry"),
@@ -111,6 +113,102 @@ def test_plan_warns_on_an_unmirrored_release_and_says_verified():
     assert json.loads(mirrored.stdout)["verified"] is True and "warning" not in mirrored.stderr
 
 
+@pytest.mark.parametrize("version", ["0.7.4.post1", "0.7.4rc1", "0.7.3", "0.7.2.post2", "0.6.19"])
+def test_plan_of_a_release_not_read_is_not_verified(version):
+    """Issue 23, C2: these said "verified": true with no warning (only major.minor.micro was
+    compared); they are planned, warned about, and not verified."""
+    proc = cli(f"plan --flashinfer-version {version} --json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["verified"] is False
+    assert f"warning: FlashInfer {version} is" in proc.stderr and "UNKNOWN_VERSION" in proc.stderr
+
+
+@pytest.mark.parametrize("version", ["0.6.11.post2", "0.7.2.post1", "0.6.16.post4"])
+def test_plan_of_a_release_read_stays_verified(version):
+    proc = cli(f"plan --flashinfer-version {version} --json")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert json.loads(proc.stdout)["verified"] is True
+
+
+def test_values_above_int_max_name_the_upper_bound():
+    """Issue 23, C1: 2^31 said "must be at least 1"."""
+    for flag in ("--max-token-num", "--hidden-dim", "--world-size"):
+        proc = cli(f"plan {flag} 2147483648")
+        assert proc.returncode == REFUSED, proc.stderr
+        assert f"argument {flag}: must be at most 2147483647, got 2147483648" in proc.stderr
+        assert "at least" not in proc.stderr
+    assert "must be at least 1, got 0" in cli("plan --max-token-num 0").stderr
+    top = cli(f"plan --flashinfer-version 0.7.4 --max-token-num {2**31 - 1}")
+    assert "must be" not in top.stderr and "Traceback" not in top.stderr  # the bound is valid
+    assert top.returncode == 0 or "rejects this call" in top.stdout, top.stdout + top.stderr
+
+
+@pytest.mark.parametrize("value,planned", [("4294967296", True), ("1099511627776", True),
+                                           ("2199023255552", False), ("4294967295", False)])
+def test_granularity_accepts_every_power_of_two_in_range(value, planned):
+    """Issue 23, C1: 4294967296 (2^32, a power of two) was refused as "must be at least 1"."""
+    proc = cli(f"plan --flashinfer-version 0.7.4 --granularity {value} --json")
+    if planned:
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["facts"]["granularity"] == int(value)
+        assert all(a["bytes"] % int(value) == 0 for a in doc["allocations"]
+                   if a["api"] == "cuMemCreate")
+    else:
+        assert proc.returncode == REFUSED
+        assert "power of two of at least 4096 and at most 1099511627776" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("line", ["plan --max-token-num 2147483648", "plan --rank 2",
+                                  "check --default-shape --device -1", "demo --mode tpu",
+                                  "doctor --bogus", "frobnicate", ""])
+def test_a_refusal_is_one_line_with_a_pointer_to_help(line):
+    """Issue 23, C3: the whole usage block (13-20 lines) came before the useful line."""
+    proc = cli(line)
+    assert proc.returncode == REFUSED and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "error: " in lines[0], proc.stderr
+    assert "usage:" not in proc.stderr and "--help)" in lines[0]
+
+
+def test_an_unknown_command_lists_only_the_public_ones():
+    """Issue 23, C4: the message listed the internal _demo-rank."""
+    proc = cli("frobnicate")
+    assert "_demo-rank" not in proc.stderr
+    assert all(name in proc.stderr for name in ("demo", "plan", "check", "doctor"))
+
+
+def test_help_says_each_default_once():
+    """Issue 23, C4: seven options printed "(default: ...) (default: None)"."""
+    for command in ("plan", "check", "demo", "doctor"):
+        text = " ".join(cli(f"{command} --help").stdout.split())
+        assert "(default: None)" not in text, command
+        assert text.count("(default:") == len(re.findall(r"\(default: [^)]*\)", text))
+    plan = " ".join(cli("plan --help").stdout.split())
+    assert "(default: the installed FlashInfer)" in plan and "(default: from --facts)" in plan
+    assert "this rank (below --world-size) (default: 0)" in plan  # a 0 is a default too
+    assert "CUDA ordinal asked for the driver's facts (default: 0)" in plan
+
+
+def test_the_console_script_names_itself():
+    """Issue 23: the installed command's messages said "python -m ...". The console script
+    the package installs, run as it is installed, names itself."""
+    import shutil
+
+    script = shutil.which("flashinfer-safe-workspace", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the console script is not installed next to this interpreter")
+    run = lambda *a: subprocess.run([script, *a], env=clean_env(), capture_output=True,  # noqa
+                                    text=True, timeout=120)
+    bad = run("plan", "--rank", "5")
+    assert bad.returncode == REFUSED
+    assert bad.stderr.startswith("flashinfer-safe-workspace plan: error: --rank 5"), bad.stderr
+    assert "python -m" not in bad.stderr
+    assert run("--help").stdout.startswith("usage: flashinfer-safe-workspace ")
+    module = cli("plan --rank 5")
+    assert module.stderr.startswith("python -m flashinfer_safe_workspace plan: error:")
+
+
 def test_help_shows_defaults_and_hides_internal_commands():
     top = cli("--help")
     assert top.returncode == 0 and "_demo-rank" not in top.stdout
@@ -121,3 +219,26 @@ def test_help_shows_defaults_and_hides_internal_commands():
     assert "--default-shape" in check and "required unless --default-shape" in check
     demo = cli("demo --help").stdout
     assert "{auto,none,raise}" in demo and "(default: auto)" in demo
+
+
+def test_docs_cli_covers_the_console_script_every_command_and_exit_code():
+    """docs/cli.md is the reference: the console script pyproject installs, a section per
+    subcommand the parser has, and a row per exit code the commands use."""
+    import importlib
+    from pathlib import Path
+
+    _main = importlib.import_module("flashinfer_safe_workspace.cli.main")  # the module
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "cli.md").read_text()
+    script = re.search(r'^(\S+) = "flashinfer_safe_workspace\.cli:main"',
+                       (root / "pyproject.toml").read_text(), re.M).group(1)
+    assert script == "flashinfer-safe-workspace" and f"    {script} " in doc
+    assert sorted(_main.COMMANDS) == ["check", "demo", "doctor", "plan"]
+    usage = cli("--help").stdout
+    for name in _main.COMMANDS:
+        assert f"    {name} " in usage, name  # each is a real subcommand
+        assert re.search(rf"^## `{name}`", doc, re.M), name
+        assert f"{script} {name}" in doc, name
+    for code in _main.EXIT_CODES:
+        assert re.search(rf"^\| {code} \|", doc, re.M), code

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from flashinfer_safe_workspace.planning.plan import MiB
 from rank_lib import PLAN_BYTES
 
@@ -72,3 +74,42 @@ def test_text_says_flashinfer_s_own_error_after_a_pass_is_expected_without_a_gpu
     assert len(ranks) == 2 and all("vote of ranks [0, 1]: yes" in l for l in ranks), proc.stdout
     if all("FlashInfer was called and raised" in l for l in ranks):  # no CUDA here
         assert "without a GPU its error is expected here" in proc.stdout, proc.stdout
+
+
+def _text_demo(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_SAFE_WORKSPACE")}
+    return subprocess.run([sys.executable, "-m", "flashinfer_safe_workspace", "demo",
+                           "--mode", "simulated", *args], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def test_a_rank_that_never_planned_shows_no_plan():
+    """Issue 23, C5: a rank that followed a decision made without it (here the slow rank,
+    arriving after its peer's timeout) printed "plan -0.0 MiB + headroom 0 MiB"."""
+    proc = _text_demo("--world-size", "2", "--slow-rank", "1", "--vote-timeout", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [l for l in proc.stdout.splitlines() if l.startswith("  rank ")]
+    assert len(ranks) == 2, proc.stdout
+    assert "plan 134.0 MiB + headroom 64 MiB" in ranks[0]
+    assert "no plan (decided without it)" in ranks[1] and "-0.0" not in ranks[1], ranks[1]
+    assert "MiB" not in ranks[1] and "vote of ranks [0, 1]: no" in ranks[1]
+
+
+@pytest.mark.parametrize("args,rejects", [
+    (("--backend", "mnnvl-cutedsl"), "Blackwell"),
+    (("--backend", "mnnvl", "--max-token-num", "2147483647", "--hidden-dim", "2147483647"),
+     "UINT32_MAX"),
+])
+def test_a_call_flashinfer_rejects_is_shown_not_an_internal_error(args, rejects):
+    """Issue 23, C6: every rank ended with "internal error: 'PassThrough' object has no
+    attribute 'peak_bytes'" and exit 1. Each rank now reports FlashInfer's own rejection,
+    which the shim lets through on every rank, and the demo exits 0."""
+    proc = _text_demo("--world-size", "2", "--vote-timeout", "20", *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "internal error" not in out and "Traceback" not in out, out
+    ranks = [l for l in proc.stdout.splitlines() if l.startswith("  rank ")]
+    assert len(ranks) == 2, out
+    for line in ranks:
+        assert "FlashInfer rejects this call before allocating" in line and rejects in line
+        assert "FlashInfer was called and raised" in line, line  # its own error, on each rank
+    assert "the vote passed" not in proc.stdout  # no vote said yes to a plan here

@@ -16,7 +16,7 @@ from importlib.metadata import version
 import pytest
 
 from flashinfer_safe_workspace.planning import facts as _facts, rules
-from flashinfer_safe_workspace.cli import doctor as _doctor
+from flashinfer_safe_workspace.cli import doctor as _doctor, preflight as _preflight
 
 TIMEOUT = 120
 VAR = "FLASHINFER_SAFE_WORKSPACE"
@@ -52,9 +52,15 @@ def test_unset_is_inactive_exit_1():
     assert any("not set" in line for line in r["why"])
 
 
+def active_code(r) -> int:
+    """doctor's exit code for an active shim: 3 when every call here would be vetoed (on a
+    machine without a CUDA driver, such as CI), else 0."""
+    return 3 if r["vetoes_every_call"] else 0
+
+
 def test_enabled_is_active_and_wraps_both_targets():
     rc, r = doctor_json(**{VAR: "1"})
-    assert rc == 0
+    assert rc == active_code(r)
     assert r["active"] is True and r["hooks_registered"] is True
     assert r["variable"]["value"] == "1" and r["variable"]["enabled"] is True
     wrapped = set(r["flashinfer"]["wrapped"])
@@ -67,7 +73,7 @@ def test_enabled_is_active_and_wraps_both_targets():
 
 
 def test_text_output_names_the_wrapped_functions():
-    proc = doctor(**{VAR: "yes"})
+    proc = doctor(**{VAR: "yes", f"{VAR}_FAIL_OPEN": "1"})  # fail-open: no veto of every call
     assert proc.returncode == 0, proc.stderr
     assert "active in this interpreter: yes" in proc.stdout
     assert "flashinfer.comm.create_allreduce_fusion_workspace" in proc.stdout
@@ -91,7 +97,7 @@ def test_garbage_value_warns_and_stays_off():
 
 def test_no_import_reports_nothing_wrapped():
     rc, r = doctor_json("--no-import", **{VAR: "1"})
-    assert rc == 0  # hooks registered, or the bootstrap waits for flashinfer: active
+    assert rc == active_code(r)  # hooks registered, or the bootstrap waits for flashinfer
     assert r["hooks_registered"] or r["waiting_for_flashinfer"]
     assert r["flashinfer"]["imported"] is False
     assert r["flashinfer"]["wrapped"] == []
@@ -131,10 +137,11 @@ def test_settings_are_the_effective_ones():
 
 def test_no_driver_is_reported_gracefully():
     rc, r = doctor_json("--no-import", **{VAR: "1"})
-    assert rc == 0  # no driver does not make the shim inactive
     cuda = r["cuda"]
     if cuda["driver_version"] is not None:
         pytest.skip(f"this machine has a CUDA driver ({cuda['driver_version']})")
+    assert r["active"] is True  # no driver does not make the shim inactive ...
+    assert rc == 3  # ... but every call is vetoed (issue 23: it exited 0, "active")
     assert cuda["error"].startswith("no driver") or cuda["error"].startswith("no cuda-python")
     assert cuda["device_count"] is None
 
@@ -231,7 +238,7 @@ def test_checks_report_with_facts_gives_each_checks_answer():
     from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 
     _probe.set_prober(SimulatedDevice(80 << 30, multicast=False))
-    rep = _doctor.checks_report("0.7.4", _config.current())
+    rep = _preflight.checks_report("0.7.4", _config.current())
     by = {b: {row["check"]: row for row in rep[b]} for b in ("trtllm", "mnnvl")}
     assert rep["facts_error"] == "" and rep["facts"]["multicast"] is False
     assert by["mnnvl"]["multicast"]["ok"] is False
@@ -240,5 +247,72 @@ def test_checks_report_with_facts_gives_each_checks_answer():
     assert by["trtllm"]["multicast"]["applies"] is False or by["trtllm"]["multicast"]["ok"]
     assert by["trtllm"]["gpus"]["applies"] is False
     assert by["trtllm"]["capture"]["ok"] and by["trtllm"]["capture"]["value"] == "capturing=0"
-    text = "\n".join(_doctor._format_checks(rep))
+    text = "\n".join(_preflight.format_checks(rep))
     assert "mnnvl   multicast VETO (23)" in text, text
+
+
+# --------------------------------------------------------------------------- every call vetoed
+
+
+def test_active_but_every_call_vetoed_exits_3_and_says_why():
+    """Issue 23: without a usable CUDA driver every call is vetoed, yet doctor said "active"
+    and exited 0. It exits 3 and names the cause; a real two-rank call through the shim on
+    this machine is vetoed with the code doctor names (NO_DEVICE). FAIL_OPEN lifts it."""
+    rc, r = doctor_json("--no-import", **{VAR: "1"})
+    if r["cuda"]["driver_version"] is not None:
+        pytest.skip("this machine has a CUDA driver")
+    assert r["active"] is True and rc == 3, r["vetoes_every_call"]
+    assert "NO_DEVICE" in r["vetoes_every_call"][0]
+    text = " ".join(doctor("--no-import", **{VAR: "1"}).stdout.split())
+    assert "but every call here would be vetoed" in text
+    assert "every workspace creation here would be vetoed" in text and "NO_DEVICE" in text
+    rc_open, r_open = doctor_json("--no-import", **{VAR: "1", f"{VAR}_FAIL_OPEN": "1"})
+    assert rc_open == 0 and r_open["vetoes_every_call"] == []
+    rc_off, r_off = doctor_json("--no-import")  # not active: 1, whatever would be vetoed
+    assert rc_off == 1 and r_off["vetoes_every_call"]
+
+    from harness import results, run_ranks
+
+    runs = run_ranks(2, """
+        import rank_lib, flashinfer_safe_workspace as fiws
+        rank_lib.capture = rank_lib._Capture()
+        fiws.install()  # the real CUDA prober: no simulated device
+        outcome, secs, err = rank_lib.create(rank=RANK)
+        result.update(outcome=outcome, reasons=rank_lib.last_reasons)
+    """, internal_errors=None)
+    assert [(x["outcome"], x["reasons"]) for x in results(runs)] == [("none", ["NO_DEVICE"])] * 2
+
+
+def _simulated_report(monkeypatch, device, **settings):
+    from flashinfer_safe_workspace import _config
+    from flashinfer_safe_workspace.planning import probe as _probe
+
+    _probe.set_prober(device)
+    version = settings.pop("version", "0.7.4")
+    monkeypatch.setattr(rules, "flashinfer_version", lambda: version)
+    for name, value in settings.items():
+        monkeypatch.setenv(f"{VAR}_{name.upper()}", value)
+    _config.reload()
+    try:
+        return _doctor.doctor_report(import_flashinfer=False)
+    finally:
+        _probe.set_prober(None)
+        monkeypatch.undo()
+        _config.reload()
+
+
+def test_a_device_where_calls_pass_is_not_every_call_vetoed(monkeypatch):
+    """The same verdict from the checks themselves: a simulated device with multicast
+    passes every check (no veto of every call); without multicast mnnvl vetoes, trtllm
+    does not (still not every call); UNKNOWN_VERSION=veto on a release not read vetoes all."""
+    from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
+
+    r = _simulated_report(monkeypatch, SimulatedDevice(80 << 30))
+    assert r["checks"]["facts_error"] == "" and r["vetoes_every_call"] == []
+    r = _simulated_report(monkeypatch, SimulatedDevice(80 << 30, multicast=False))
+    assert any(row["ok"] is False for row in r["checks"]["mnnvl"])
+    assert r["vetoes_every_call"] == []
+    r = _simulated_report(monkeypatch, SimulatedDevice(80 << 30), version="0.7.4.post1",
+                          unknown_version="veto")
+    assert r["flashinfer"]["verified"] is False
+    assert "UNKNOWN_VERSION" in r["vetoes_every_call"][0]

@@ -94,9 +94,83 @@ def test_unknown_newer_versions_use_newest_rules(version):
     assert plan.flashinfer_version == version
 
 
-@pytest.mark.parametrize("version", ["0.5.0", "0.6.15", "0.7.4", "0.7.4.post1"])
-def test_known_versions_are_not_unknown(version):
+# The releases whose source was read, copied by hand from section 0 of the reference notes
+# (wheels downloaded and read, an installed 0.7.4, and the "tag-verified" releases), not
+# from the rules' own table.
+READ_IN_THE_NOTES = """
+    0.5.0 0.5.3 0.6.0 0.6.6 0.6.7 0.6.9 0.6.10 0.6.10.post1 0.6.14 0.6.15 0.6.16 0.6.16.post4
+    0.6.17 0.6.18 0.6.18.post1 0.7.0 0.7.0.post1 0.7.1 0.7.2 0.7.2.post1 0.7.4
+    0.5.1 0.5.2 0.6.1 0.6.2 0.6.3 0.6.4 0.6.5 0.6.7.post1 0.6.7.post2 0.6.7.post3 0.6.8
+    0.6.8.post1 0.6.11 0.6.11.post1 0.6.11.post2 0.6.11.post3 0.6.12 0.6.13 0.6.15.post1
+    0.6.16.post1 0.6.16.post2 0.6.16.post3
+""".split()
+
+
+@pytest.mark.parametrize("version", READ_IN_THE_NOTES + [
+    "v0.7.2post1", "0.7.2-post1", "0.7.2-1", "0.7.2_post1", "0.7.4.0", " 0.6.11.post2 "])
+def test_releases_read_are_verified(version):
     assert not R.is_unknown(version)
+
+
+def test_the_read_table_is_the_notes_list():
+    assert R.READ == frozenset(READ_IN_THE_NOTES)
+
+
+# Issue 23, C2: these were "verified" because only major.minor.micro was compared.
+UNREAD = ["0.7.4.post1", "0.7.4rc1", "0.7.3", "0.7.2.post2", "0.6.19", "0.6.10rc1",
+          "0.7.4.dev0", "0.7.4+cu129", "0.6.11.post4", "0.7.2.post1.dev1", "0.7.0.post0"]
+
+
+@pytest.mark.parametrize("version", UNREAD)
+def test_releases_not_read_are_unknown_and_still_planned(version):
+    assert R.is_unknown(version)
+    plan = make_plan(unified("E1"), G2, version)  # with the rules of the range it falls in
+    assert plan.rules == R.range_of(version) and plan.flashinfer_version == version
+    assert R.unverified_why(version)
+
+
+def test_a_post_release_is_planned_with_its_own_range():
+    """0.7.2-post1 is 0.7.2.post1 (R9, the mnnvl-cutedsl factory), not 0.7.2 (R8)."""
+    assert R.range_of("0.7.2-post1") == R.range_of("0.7.2-1") == "R9"
+    assert R.range_of("0.7.2") == "R8"
+
+
+def test_the_runtime_check_is_the_same_function():
+    from flashinfer_safe_workspace.planning import request as _request
+
+    for version in UNREAD:
+        assert _request.unknown_version(version), version
+    for version in READ_IN_THE_NOTES:
+        assert not _request.unknown_version(version), version
+
+
+@pytest.mark.parametrize("version,outcome", [("0.7.4.post1", "none"), ("0.7.4rc1", "none"),
+                                             ("0.7.4", "created")])
+def test_unknown_version_veto_covers_every_release_not_read(version, outcome):
+    """Real gloo ranks, the real decision: with UNKNOWN_VERSION=veto an installed FlashInfer
+    that reports a release not read is vetoed on every rank with UNKNOWN_VERSION (before the
+    fix 0.7.4.post1 and 0.7.4rc1 counted as 0.7.4 and were created); 0.7.4 itself is not."""
+    from harness import results, run_ranks
+
+    runs = run_ranks(2, f"""
+        import flashinfer, rank_lib
+        flashinfer.__version__ = {version!r}  # what the installed release would report
+        rank_lib.setup(free_mb=None, unknown_version="veto")
+        outcome, secs, err = rank_lib.create(rank=RANK)
+        result.update(outcome=outcome, reasons=rank_lib.last_reasons, calls=len(rank_lib.calls),
+                      warnings=rank_lib.warnings())
+    """)
+    rs = results(runs)
+    for r in rs:
+        assert r["outcome"] == outcome, r
+        if outcome == "none":
+            assert r["calls"] == 0 and "UNKNOWN_VERSION" in r["reasons"], r
+            assert any(version in w and "UNKNOWN_VERSION" in w for w in r["warnings"]), r
+        else:
+            assert r["calls"] == 1 and r["reasons"] == [], r
+    # the rank that ran its checks (a peer may follow its veto without them) says why
+    said = [w for r in rs for w in r["warnings"] if "not read" in w or "development" in w]
+    assert (outcome == "none") == any(version in w for w in said), rs
 
 
 @pytest.mark.parametrize("version", ["0.4.1", "0.2.14.post1", "garbage", ""])

@@ -64,9 +64,9 @@ def _answer(r: dict, simulate_free_mb: Optional[int]):
         return "cannot-tell", "FlashInfer is not installed and --flashinfer-version not given"
     try:
         if rules.is_unknown(version):
-            r["notes"].append(f"FlashInfer {version} is newer than the newest release mirrored "
-                              f"({'.'.join(map(str, rules.NEWEST[:3]))}): planned with the "
-                              "newest rules")
+            r["notes"].append(f"FlashInfer {version} is {rules.unverified_why(version)}: "
+                              f"planned with the rules of {rules.range_of(version)}, not "
+                              "verified")
     except _plan.Unplanned as exc:
         return "cannot-tell", str(exc)
     device = r["device"]

@@ -38,9 +38,9 @@ def run(args) -> int:
     if args.mode == "gpu":
         found = _gpu_count()
         if found < args.world_size:
-            print(f"python -m flashinfer_safe_workspace demo: error: --mode gpu needs one CUDA "
-                  f"GPU per rank ({args.world_size}); {found} here (--mode simulated, or auto, "
-                  "runs without)", file=sys.stderr)
+            print(f"{getattr(args, 'prog', 'flashinfer-safe-workspace')} demo: error: --mode "
+                  f"gpu needs one CUDA GPU per rank ({args.world_size}); {found} here (--mode "
+                  "simulated, or auto, runs without)", file=sys.stderr)
             return 2
     rows = _collect(args, _spawn(args))
     if args.json:
@@ -116,23 +116,33 @@ def _print_table(rows, args) -> None:
     for row in rows:
         if "plan_bytes" not in row:
             tail = (row.get("stderr_tail") or "").strip().splitlines()
-            print(f"  rank {row['rank']}: {row['outcome']}"
+            print(f"  rank {row['rank']}: "
+                  + (f"FlashInfer rejects this call before allocating ({row['rejected']}): "
+                     "the shim lets it raise its own error -> " if row.get("rejected")
+                     else "") + row["outcome"]
                   + (f" (last line: {tail[-1][:200]})" if tail else ""))
             continue
-        free = row["free_bytes"]
-        print(f"  rank {row['rank']} [{row['device_kind']}]: plan {row['plan_bytes'] / MiB:.1f} MiB"
-              f" + headroom {row['headroom_bytes'] / MiB:.0f} MiB, free "
-              + (f"{free / MiB:.1f} MiB" if free >= 0 else "-")
+        print(f"  rank {row['rank']} [{row['device_kind']}]: {_sizes(row)}"
               + f", probe {row['probe']}, vote of ranks {row['ranks']}: {row['vote']}"
               f" (decision logged {row['elapsed_ms']:.1f} ms) -> {row['outcome']}"
               f" in {row['decision_ms']:.1f} ms")
     reasons = {r.get("reason") for r in rows if r.get("reason")}
     for reason in sorted(reasons):
         print(f"  reason: {reason}")
-    if any(r.get("device_kind") == "simulated" and str(r.get("outcome", "")).startswith(
-            FLASHINFER_RAISED) for r in rows):
+    if any(r.get("device_kind") == "simulated" and r.get("vote") == "yes" and str(
+            r.get("outcome", "")).startswith(FLASHINFER_RAISED) for r in rows):
         print("  note: the vote passed, so FlashInfer's own function was called; without a GPU "
               "its error is expected here (the simulated device stands in for the probe only)")
+
+
+def _sizes(row) -> str:
+    """Plan, headroom and free memory of one rank's line; a rank that never planned (it
+    followed a decision made without it) has none of them: it says so."""
+    if row["plan_bytes"] < 0:
+        return "no plan (decided without it)"
+    free = row["free_bytes"]
+    return (f"plan {row['plan_bytes'] / MiB:.1f} MiB + headroom {row['headroom_bytes'] / MiB:.0f}"
+            " MiB, free " + (f"{free / MiB:.1f} MiB" if free >= 0 else "-"))
 
 
 def rank_main(args) -> int:
@@ -146,7 +156,7 @@ def rank_main(args) -> int:
                                      and torch.cuda.device_count() >= args.world_size)
     fiws.install(on_veto=args.on_veto, vote_timeout=args.vote_timeout)
     heard = _Heard()  # what the decision logs: its decision line, a veto's WARNING
-    headroom_bytes, kind, hog = _prepare_device(args, use_gpu)
+    headroom_bytes, kind, hog, rejected = _prepare_device(args, use_gpu)
     dist.barrier()
     if args.die_rank == args.rank:
         os._exit(3)  # dies before the vote
@@ -158,7 +168,7 @@ def rank_main(args) -> int:
     heard.close()
     row = {"rank": args.rank, "device_kind": kind, "outcome": outcome,
            "decision_ms": decision_ms, "headroom_bytes": headroom_bytes,
-           "reason": heard.veto or reason}
+           "reason": heard.veto or reason, "rejected": rejected}
     line = heard.decision()
     if line is not None:  # the decision line's fields; "outcome" stays what the call gave
         row.update({k: v for k, v in line.items() if k != "outcome"})
@@ -180,14 +190,14 @@ def _join(args):
 
 
 def _prepare_device(args, use_gpu: bool):
-    """(headroom bytes the shim will use, device kind, hog or None): on GPUs the starved
-    rank's GPU is really filled; otherwise a simulated device stands in for the probe."""
+    """(headroom bytes the shim will use, device kind, hog or None, FlashInfer's reason to
+    reject the call or ""): on GPUs the starved rank's GPU is really filled; otherwise a
+    simulated device stands in for the probe."""
     import flashinfer
 
     from .. import _config
     from ..planning import facts as _facts, plan as _plan, probe as _probe, request as _request
     from ..planning.simulated import SimulatedDevice
-    from ..planning import rules
 
     rank, ws = args.rank, args.world_size
     req = _plan.Request("unified", args.backend, ws, rank, args.max_token_num, args.hidden_dim,
@@ -200,17 +210,32 @@ def _prepare_device(args, use_gpu: bool):
         torch.cuda.set_device(rank)
         facts = _facts.runtime_facts(_probe.CudaProber(), confidential_compute=False,
                                      world_size=ws)
-        need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
+        peak, rejected = _peak(req, facts, flashinfer.__version__)
         hog = _Hog(rank) if starved else None
         if hog is not None:
-            hog.fill(leave=need - args.short_mb * MiB)
-        return headroom_bytes, f"cuda:{rank}", hog
+            hog.fill(leave=peak + headroom_bytes - args.short_mb * MiB)
+        return headroom_bytes, f"cuda:{rank}", hog, rejected
     facts = _facts.runtime_facts(SimulatedDevice(1 << 40), confidential_compute=False,
                                  world_size=ws)
-    need = rules.plan_for(req, facts, flashinfer.__version__).peak_bytes + headroom_bytes
-    free = need - args.short_mb * MiB if starved else 80 << 30
+    peak, rejected = _peak(req, facts, flashinfer.__version__)
+    free = max(peak + headroom_bytes - args.short_mb * MiB, 0) if starved else 80 << 30
     _probe.set_prober(SimulatedDevice(free, device=rank))
-    return headroom_bytes, "simulated", None
+    return headroom_bytes, "simulated", None, rejected
+
+
+def _peak(req, facts, version):
+    """(the plan's peak bytes, why there is none): 0 and FlashInfer's reason where it
+    rejects the call before allocating (the shim lets it raise its own error, nothing to
+    probe); 0 and "" where no rule covers it (the shim's vote says so)."""
+    from ..planning import plan as _plan, rules
+
+    try:
+        plan = rules.plan_for(req, facts, version)
+    except _plan.Unplanned:
+        return 0, ""
+    if isinstance(plan, _plan.PassThrough):
+        return 0, plan.reason
+    return plan.peak_bytes, ""
 
 
 def _create(args):

@@ -1,5 +1,6 @@
-"""``doctor``: is the shim active in this interpreter, and why; and the runtime facts
-it would plan with here (torch's signal pad, the device's granularities).
+"""``doctor``: is the shim active in this interpreter, and why; the runtime facts it
+would plan with here (torch's signal pad, the device's granularities); and whether every
+call here would be vetoed (``preflight``).
 
 Read-only: it may import ``flashinfer.comm`` to see what the hooks wrapped and asks
 the driver for granularities (queries only: nothing is allocated).
@@ -17,7 +18,8 @@ from typing import Optional
 PTH_NAME = "flashinfer_safe_workspace.pth"
 START_NAME = "flashinfer_safe_workspace.start"  # PEP 829: run instead of the .pth line on 3.15+
 WIDTH = 100  # doctor's lines are wrapped to this many characters
-_FACTS_GONE = "FactsUnavailable"  # a check's note when this rank's facts could not be read
+# doctor's exit codes (main.EXIT_CODES: 0 and 1 as every command's yes and no; 3 its own)
+ACTIVE, NOT_ACTIVE, VETOES_ALL = 0, 1, 3
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -98,9 +100,8 @@ def _flashinfer_report(import_comm: bool) -> dict:
         out["rules"] = rules.range_of(version)
         out["verified"] = not rules.is_unknown(version)
         if not out["verified"]:
-            out["note"] = (f"newer than the newest release whose rules were read "
-                           f"({out['newest_mirrored']}): FLASHINFER_SAFE_WORKSPACE_UNKNOWN_VERSION "
-                           "decides")
+            out["note"] = (f"{rules.unverified_why(version)}: planned with the rules of "
+                           f"{out['rules']}; FLASHINFER_SAFE_WORKSPACE_UNKNOWN_VERSION decides")
     except Unplanned as exc:
         out["note"] = str(exc)
     if import_comm:
@@ -175,6 +176,7 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
     from ..activation import bootstrap as _bootstrap, patch as _patch
     from .. import _config
     from .._version import __version__
+    from . import preflight as _preflight
 
     settings = _config.current()
     raw = _config.env_value(_config.PREFIX)
@@ -195,61 +197,16 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
     report["hooks_registered"] = _bootstrap.hooks_registered
     report["cuda"] = _cuda_report()
     report["facts"] = facts_report(report["cuda"])
-    report["checks"] = checks_report(report["flashinfer"].get("version"), settings,
-                                     driver_error=report["cuda"]["error"])
+    report["checks"] = _preflight.checks_report(report["flashinfer"].get("version"), settings,
+                                                driver_error=report["cuda"]["error"])
+    report["vetoes_every_call"] = _preflight.vetoes_every_call(
+        report["checks"], report["flashinfer"], settings, report["cuda"]["error"])
     report["waiting_for_flashinfer"] = _watching()
     report["active"] = bool(_patch.is_active()) or report["waiting_for_flashinfer"]
     # pth / start / plugin:vllm / plugin:sglang / plugin:aphrodite / sitecustomize / install()
     report["activated_by"] = _bootstrap.activated_by() if report["active"] else None
     report["why"] = _why(report)
     return report
-
-
-def checks_report(version, settings, backends=("trtllm", "mnnvl"),
-                  driver_error: Optional[str] = None) -> dict:
-    """Every preflight check's verdict on this host, for a two-rank call per backend
-    (the cross-rank checks need peers: listed with their local facts). ``driver_error``:
-    the CUDA line's error, already said once; a check that needs the facts then names it
-    in a few words instead of repeating it."""
-    from .. import checks as _checks
-    from ..agreement.group import Members
-    from ..planning import probe as _probe
-    from ..planning.plan import Request
-
-    try:
-        rank, error = _probe.get_prober().rank_facts(), ""
-    except Exception as exc:  # noqa: BLE001 - shown, and every check that needs them fails
-        rank, error = None, f"{type(exc).__name__}: {exc}"
-    out = {"facts_error": error, "facts": dataclasses.asdict(rank) if rank else None}
-    short = ("needs this rank's facts (no CUDA driver, above)"
-             if driver_error else f"needs this rank's facts, not read: {error}")
-    for backend in backends:
-        req = Request("unified", backend, 2, 0, 2048, 4096, "bfloat16")
-        ctx = _checks.Context(req, version or "", _checks.traits_for(version),
-                              Members("local", (0, 1), 0, "doctor"), settings, {}, rank,
-                              extra={"facts_error": short})
-        rows = _checks.run_local(ctx)
-        out[backend] = [{"check": c.NAME, "modes": list(c.MODES), "releases": c.RELEASES,
-                         **dataclasses.asdict(rows[c.NAME])} if c.NAME in rows else
-                        {"check": c.NAME, "modes": list(c.MODES), "releases": c.RELEASES,
-                         "ok": None, "applies": None, "value": "decided per call", "code": 0,
-                         "note": ""} for c in _checks.ALL]
-    return out
-
-
-def _format_checks(rep: dict, driver_error: Optional[str] = None) -> list:
-    out = ["  preflight checks on this host (a 2-rank call, FlashInfer's release):"]
-    if rep.get("facts_error"):
-        out.append("    facts: not read (no CUDA driver: see CUDA above)" if driver_error
-                   else f"    facts: {rep['facts_error']}")
-    for backend in ("trtllm", "mnnvl"):
-        for row in rep.get(backend, []):
-            verdict = ("n/a" if row["applies"] is False else "per call" if row["ok"] is None
-                       else "ok" if row["ok"] else f"VETO ({row['code']})")
-            note = str(row.get("note") or "").replace(f"{_FACTS_GONE}: ", "")
-            out.append((f"    {backend:7s} {row['check']:9s} {verdict:10s} {row['value']}"
-                        + (f" - {note}" if note else "")).rstrip())
-    return out
 
 
 def _why(r: dict) -> list:
@@ -304,6 +261,10 @@ def _why(r: dict) -> list:
                      "FlashInfer has neither target function")
     if r["wrapt"]["version"] is None:
         lines.append("wrapt is not installed: the shim cannot hook FlashInfer")
+    if r.get("vetoes_every_call"):
+        lines.append(("every workspace creation here would be vetoed" if r["active"] else
+                      "once turned on, every workspace creation here would be vetoed")
+                     + ": " + "; ".join(r["vetoes_every_call"]))
     return lines
 
 
@@ -317,7 +278,9 @@ def format_doctor(r: dict) -> str:
         f"  active in this interpreter: {yes(r['active'])}"
         + (f", activated by {r['activated_by']}" if r.get("activated_by") else "")
         + (" (hooks registered at the first import of flashinfer)"
-           if r.get("waiting_for_flashinfer") else ""),
+           if r.get("waiting_for_flashinfer") else "")
+        + (", but every call here would be vetoed (below)"
+           if r["active"] and r.get("vetoes_every_call") else ""),
         f"  {var['name']}: {var['value']!r} -> enabled={var['enabled']}",
     ]
     if r["pth"]["files"]:
@@ -351,7 +314,9 @@ def format_doctor(r: dict) -> str:
 
         out.append("  " + format_facts(r["facts"]))
     if r.get("checks"):
-        out += _format_checks(r["checks"], cuda["error"])
+        from .preflight import format_checks
+
+        out += format_checks(r["checks"], cuda["error"])
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
     from ..audit import compare as _audit
     from .. import _caller
@@ -378,6 +343,8 @@ def _wrap(line: str) -> list:
 
 
 def run_doctor(args) -> int:
+    """Exit 0: active, and a call can pass here; 1: not active; 3: active, but every
+    call here would be vetoed (the report says which check, per backend)."""
     import json
 
     report = doctor_report(import_flashinfer=not args.no_import)
@@ -385,5 +352,7 @@ def run_doctor(args) -> int:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(format_doctor(report))
-    return 0 if report["active"] else 1
+    if not report["active"]:
+        return NOT_ACTIVE
+    return VETOES_ALL if report["vetoes_every_call"] else ACTIVE
 

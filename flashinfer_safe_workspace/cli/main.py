@@ -1,43 +1,56 @@
-"""Command line: ``python -m flashinfer_safe_workspace {demo,plan,check,doctor}``.
+"""Command line: ``flashinfer-safe-workspace {demo,plan,check,doctor}`` (the console script)
+or ``python -m flashinfer_safe_workspace …``; messages name the one that was run.
 
 The parser, the checks on argument values, and the dispatch; each command lives in its own
-module of this package and is imported when it runs.
+module of this package and is imported when it runs (doctor's, whose exit code 3 the help
+names, at start). docs/cli.md is the reference.
 
 Exit codes, the same for every command (``EXIT_CODES``):
 
     0  the answer is yes: a plan printed, the workspace fits, every demo rank answered,
-       the shim is active (doctor)
+       the shim is active and would not veto every call (doctor)
     1  the answer is no: it does not fit, a demo rank failed or hung, the shim is not
        active (doctor)
-    2  refused or cannot tell: an invalid argument (with a message naming it), no rule for
+    2  refused or cannot tell: an invalid argument (one line naming it), no rule for
        this release or these arguments, no usable CUDA driver (check), an internal error
+    3  doctor only: the shim is active, but every call here would be vetoed (it names why)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Optional
+
+from .doctor import VETOES_ALL  # doctor only: active, but every call here would be vetoed
 
 YES, NO, CANNOT_TELL = 0, 1, 2
-EXIT_CODES = {YES: "yes", NO: "no", CANNOT_TELL: "refused / cannot tell"}
+EXIT_CODES = {YES: "yes", NO: "no", CANNOT_TELL: "refused / cannot tell",
+              VETOES_ALL: "doctor: active, but every call would be vetoed"}
 EPILOG = ("exit codes (every command): 0 yes (plan printed, fits, every rank answered, active); "
           "1 no (does not fit, a rank failed, not active); 2 refused or cannot tell (invalid "
-          "argument, no rule, no driver)")
+          "argument, no rule, no driver); 3 doctor: active, but every call would be vetoed")
 INT_MAX = (1 << 31) - 1  # FlashInfer's sizes are C ints
 DEMO_MAX_RANKS = 64  # local processes; more would only exhaust the machine
 DEFAULT_SHAPE = {"world_size": 2, "max_token_num": 2048, "hidden_dim": 4096}
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text.strip(), 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
 def _whole(low: int, high: int = INT_MAX):
-    """An argparse type: a whole number in [low, high]."""
+    """An argparse type: a whole number in [low, high]; the message names the bound broken."""
     def parse(text: str) -> int:
-        try:
-            value = int(text.strip(), 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not low <= value <= high:
-            bound = f"at least {low}" if high == INT_MAX else f"between {low} and {high}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        value = _integer(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
 
     parse.__name__ = "whole number"
@@ -45,13 +58,14 @@ def _whole(low: int, high: int = INT_MAX):
 
 
 MIN_GRANULARITY = 4096  # bytes: no CUDA device reports a smaller allocation granularity
+MAX_GRANULARITY = 1 << 40  # bytes (1 TiB): far above any device's answer (H200: 512 MiB)
 
 
 def _power_of_two(text: str) -> int:
-    value = _whole(1)(text)
-    if value & (value - 1) or value < MIN_GRANULARITY:
-        raise argparse.ArgumentTypeError(
-            f"must be a power of two of at least {MIN_GRANULARITY} bytes, got {value}")
+    value = _integer(text)
+    if not MIN_GRANULARITY <= value <= MAX_GRANULARITY or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two of at least {MIN_GRANULARITY}"
+                                         f" and at most {MAX_GRANULARITY} bytes, got {value}")
     return value
 
 
@@ -89,9 +103,28 @@ def _add_shape(p, *, need_rank: bool = False, required_note: str = "") -> None:
                    help="dtype of the call")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusal is one line: the message and where the help is (the usage
+    block it would print first hides the line that matters). Exit 2, as before."""
+
+    def error(self, message):
+        self.exit(CANNOT_TELL, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default, said once: not where its help already says it, never None
+    (nor a flag's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _subparser(sub, name: str, help_text: str):
     return sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=_Help)
 
 
 def _add_demo(sub) -> None:
@@ -113,7 +146,12 @@ def _add_demo(sub) -> None:
                       help="auto: real GPUs when there are enough, else a simulated device")
     demo.add_argument("--json", action="store_true", help="one JSON object per rank")
 
-    hidden = sub.add_parser("_demo-rank")  # internal: one rank of the demo (no help: unlisted)
+
+
+def _demo_rank_parser(prog: str) -> argparse.ArgumentParser:
+    """``_demo-rank``: one rank of the demo, started by it; internal, so no subcommand
+    (neither ``--help`` nor an unknown command's message lists it)."""
+    hidden = _Parser(prog=f"{prog} _demo-rank")
     _add_shape(hidden, need_rank=True)
     for flag in ("--starve-rank", "--die-rank", "--slow-rank"):
         hidden.add_argument(flag, type=int, default=None)
@@ -121,6 +159,7 @@ def _add_demo(sub) -> None:
     hidden.add_argument("--vote-timeout", type=float, default=10.0)
     hidden.add_argument("--on-veto", default="auto")
     hidden.add_argument("--mode", default="auto")
+    return hidden
 
 
 def _add_plan(sub) -> None:
@@ -171,22 +210,36 @@ def _add_check(sub) -> None:
     check.add_argument("--simulate-free-mb", type=_whole(0), default=None, help=argparse.SUPPRESS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+MODULE_PROG = "python -m flashinfer_safe_workspace"
+COMMANDS = ("demo", "plan", "check", "doctor")  # the subcommands, as --help lists them
+
+
+def prog_name(argv0: Optional[str] = None) -> str:
+    """The command as it was run, for messages: the console script's name
+    (``flashinfer-safe-workspace``) or ``python -m flashinfer_safe_workspace``."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    if not name or name.endswith((".py", ".pyc")) or name.startswith("-"):
+        return MODULE_PROG  # python -m …: argv[0] is the module's file (or -c, -m)
+    return name
+
+
+def build_parser(prog: str = MODULE_PROG) -> argparse.ArgumentParser:
     from .._version import __version__
 
-    parser = argparse.ArgumentParser(prog="python -m flashinfer_safe_workspace", epilog=EPILOG)
+    parser = _Parser(prog=prog, epilog=EPILOG)
     parser.add_argument("--version", action="version",
                         version=f"flashinfer-safe-workspace {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,plan,check,doctor}")
+                                metavar="{" + ",".join(COMMANDS) + "}")
     _add_demo(sub)
     _add_plan(sub)
-    doctor = _subparser(sub, "doctor", "is the shim active in this interpreter, and why "
-                        "(exit 0 active, 1 not)")
+    _add_check(sub)
+    doctor = _subparser(sub, "doctor", "is the shim active in this interpreter, and would it "
+                        f"let a workspace be created here (exit 0 yes, 1 not active, "
+                        f"{VETOES_ALL} every call would be vetoed)")
     doctor.add_argument("--json", action="store_true", help="the report as JSON")
     doctor.add_argument("--no-import", action="store_true",
                         help="do not import flashinfer.comm (then nothing shows as wrapped)")
-    _add_check(sub)
     return parser
 
 
@@ -217,19 +270,28 @@ def _refusal(args) -> str:
     return ""
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)  # invalid values: argparse's message, exit 2
-    why = _refusal(args) if args.command != "_demo-rank" else ""
-    if why:
-        parser.exit(CANNOT_TELL, f"{parser.prog} {args.command}: error: {why}\n")
+def main(argv=None, prog: Optional[str] = None) -> int:
+    prog = prog or prog_name()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["_demo-rank"]:  # the demo's own ranks
+        parser = _demo_rank_parser(prog)
+        args = parser.parse_args(argv[1:])
+        args.command = "_demo-rank"
+    else:
+        parser = build_parser(prog)
+        args = parser.parse_args(argv)  # invalid values: one line, exit 2
+        why = _refusal(args)
+        if why:
+            parser.exit(CANNOT_TELL, f"{prog} {args.command}: error: {why} "
+                        f"(see: {prog} {args.command} --help)\n")
+    args.prog = prog
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug of ours: one line, never a traceback
-        print(f"{parser.prog} {args.command}: internal error: {type(exc).__name__}: {exc} "
+        print(f"{prog} {args.command}: internal error: {type(exc).__name__}: {exc} "
               "(please report it)", file=sys.stderr)
         return CANNOT_TELL
 

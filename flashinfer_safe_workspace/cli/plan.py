@@ -74,9 +74,10 @@ def run_plan(args) -> int:
         print(f"no plan: {exc}", file=sys.stderr)
         return 2
     if not verified:  # said on stderr so that --json stays one document
-        print(f"warning: FlashInfer {version} is newer than the newest release mirrored "
-              f"({'.'.join(map(str, rules.NEWEST[:3]))}): planned with the newest rules, "
-              "not verified against this release", file=sys.stderr)
+        print(f"warning: FlashInfer {version} is {rules.unverified_why(version)}: planned "
+              f"with the rules of {rules.range_of(version)}, not verified against this "
+              "release (at run time FLASHINFER_SAFE_WORKSPACE_UNKNOWN_VERSION decides)",
+              file=sys.stderr)
     used = _facts.describe(facts, pad_source=pad_source, source=source)
     if isinstance(result, _plan.PassThrough):
         if args.json:
@@ -92,7 +93,7 @@ def run_plan(args) -> int:
         print(result.describe())
         print("  " + _facts.format_facts(used))
         if not verified:
-            print(f"  not verified: FlashInfer {version} is newer than the newest release mirrored")
+            print(f"  not verified: FlashInfer {version} is {rules.unverified_why(version)}")
     return 0
 
 

@@ -122,14 +122,26 @@ def flashinfer_version() -> Optional[str]:
 
 
 def unknown_version(version: Optional[str]) -> bool:
+    """A release whose source was not read (``rules.is_unknown``, as ``plan`` and ``doctor``
+    say it): ``UNKNOWN_VERSION`` decides."""
     from . import rules
 
     if version is None:
         return False
     try:
         return rules.is_unknown(version)
-    except Exception:  # noqa: BLE001 - older than every rule: the plan says Unplanned
+    except Exception:  # noqa: BLE001 - no version at all: the plan says Unplanned
         return False
+
+
+def unverified_why(version: str) -> str:
+    """Why ``version`` is not verified, in a few words (the runtime's warning)."""
+    from . import rules
+
+    try:
+        return rules.unverified_why(version)
+    except Exception:  # noqa: BLE001 - a warning's words, never an error
+        return "not a release whose source was read"
 
 
 def newest() -> str:

@@ -21,15 +21,18 @@ from .trtllm import MAX_COMM_SIZE
 from .versions import (
     NEWEST,
     RANGES,
+    READ,
     Traits,
     flashinfer_version,
     is_unknown,
     parse_version,
     range_of,
     traits,
+    unverified_why,
 )
 
 __all__ = [
-    "CUTEDSL_PLANNED_RANGES", "MAX_COMM_SIZE", "NEWEST", "RANGES", "Traits", "flashinfer_version",
-    "is_unknown", "needs_group_multicast_vote", "parse_version", "plan_for", "range_of", "traits",
+    "CUTEDSL_PLANNED_RANGES", "MAX_COMM_SIZE", "NEWEST", "RANGES", "READ", "Traits",
+    "flashinfer_version", "is_unknown", "needs_group_multicast_vote", "parse_version", "plan_for",
+    "range_of", "traits", "unverified_why",
 ]

@@ -34,11 +34,24 @@ RANGES = (
 )
 
 
+# A PEP 440 version, loosely spelled (``v0.7.2post1``, ``0.7.2-1``): its release, its post
+# number, and whether it has a pre-release, development or local part.
+_PEP440 = re.compile(
+    r"^\s*v?(?P<release>\d+(?:\.\d+)+)"
+    r"(?P<pre>[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"
+    r"(?:-(?P<implicit>\d+)|[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
+    r"(?P<dev>[-_.]?dev[-_.]?\d*)?"
+    r"(?P<local>\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?\s*$", re.IGNORECASE)
 _VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?post(\d+))?")
 
 
 def parse_version(text: str) -> tuple:
     """``"0.7.2.post1"`` -> ``(0, 7, 2, 1)``; pre-release and local tags are ignored."""
+    strict = _PEP440.match(str(text))
+    if strict:  # every PEP 440 spelling of a post release (0.7.2-1, 0.7.2-post1)
+        parts = [int(p) for p in strict["release"].split(".")] + [0, 0]
+        post = strict["implicit"] or strict["post"] or 0
+        return (parts[0], parts[1], parts[2], int(post))
     match = _VERSION_RE.match(str(text))
     if not match:
         raise Unplanned(f"cannot parse FlashInfer version {text!r}")
@@ -60,10 +73,58 @@ def range_of(version: str) -> str:
     return label
 
 
-def is_unknown(version: str) -> bool:
-    """Newer than the newest release whose rules were read (its plan uses R10's rules)."""
-    return parse_version(version)[:3] > NEWEST[:3]
+# The releases whose source the rules were written from (the project's reference notes on
+# FlashInfer's allocations, section 0), as exact release strings. Read: the released wheels
+# of 0.5.0 … 0.7.2.post1 that were downloaded and read, and an installed 0.7.4.
+WHEELS_READ = (
+    "0.5.0", "0.5.3", "0.6.0", "0.6.6", "0.6.7", "0.6.9", "0.6.10", "0.6.10.post1", "0.6.14",
+    "0.6.15", "0.6.16", "0.6.16.post4", "0.6.17", "0.6.18", "0.6.18.post1", "0.7.0",
+    "0.7.0.post1", "0.7.1", "0.7.2", "0.7.2.post1", "0.7.4",
+)
+# Tag-verified: read at their git tag, whose workspace files are byte-identical to the
+# wheels' (the same check the notes made for every 0.5.x/0.6.x wheel against its tag).
+TAGS_READ = (
+    "0.5.1", "0.5.2", "0.6.1", "0.6.2", "0.6.3", "0.6.4", "0.6.5", "0.6.7.post1",
+    "0.6.7.post2", "0.6.7.post3", "0.6.8", "0.6.8.post1", "0.6.11", "0.6.11.post1",
+    "0.6.11.post2", "0.6.11.post3", "0.6.12", "0.6.13", "0.6.15.post1", "0.6.16.post1",
+    "0.6.16.post2", "0.6.16.post3",
+)
+READ = frozenset(WHEELS_READ + TAGS_READ)
 
+
+def canonical(text: str) -> Optional[str]:
+    """``"v0.7.2post1"`` -> ``"0.7.2.post1"``: the release as the ``READ`` table spells it;
+    ``None`` for a pre-release, a development or local build, or no version at all (their
+    source is not a release that was read)."""
+    match = _PEP440.match(str(text))
+    if not match or match["pre"] or match["dev"] or match["local"]:
+        return None
+    parts = [int(p) for p in match["release"].split(".")]
+    while len(parts) > 3 and parts[-1] == 0:  # 0.7.4.0 is 0.7.4
+        parts.pop()
+    parts += [0] * (3 - len(parts))
+    post = match["implicit"] or match["post"]
+    return ".".join(map(str, parts)) + (f".post{int(post or 0)}" if post is not None else "")
+
+
+def is_unknown(version: str) -> bool:
+    """True for a release whose source was not read (not in ``READ``): a newer release, a
+    post or pre-release not read, a development or local build. Its plan uses the rules
+    of the range it falls in (the newest for a newer release), and the runtime's
+    ``UNKNOWN_VERSION`` setting decides. False for a release older than every rule (its
+    plan is ``Unplanned``); raises ``Unplanned`` for text that is no version."""
+    if parse_version(version) < RANGES[0][0]:
+        return False
+    return canonical(version) not in READ
+
+
+def unverified_why(version: str) -> str:
+    """What ``version`` is, when ``is_unknown``: a few words to follow "FlashInfer X is"."""
+    if parse_version(version)[:3] > NEWEST[:3]:
+        return f"newer than the newest release mirrored ({'.'.join(map(str, NEWEST[:3]))})"
+    if canonical(version) is None:
+        return "a pre-release, development or local build, not a release whose source was read"
+    return "a release whose source was not read"
 
 
 def flashinfer_version() -> Optional[str]:
