@@ -109,8 +109,9 @@ VARIABLES: tuple[Var, ...] = (
         "instead of no."),
     Var(f"{PREFIX}_UNKNOWN_VERSION", "unknown_version", "newest\\|pass-through\\|veto",
         "newest", _choice("newest", "pass-through", "veto"),
-        "FlashInfer newer than the newest release we mirror: plan with the newest rules, "
-        "call FlashInfer unprotected, or veto."),
+        "A FlashInfer release whose source was not read (newer than 0.7.4, a post or "
+        "pre-release not read, a dev or local build): plan with its range's rules (the "
+        "newest for a newer release), call FlashInfer unprotected, or veto."),
     Var(f"{PREFIX}_CREATE_TIMEOUT", "create_timeout", "seconds 0–86400 (0 = off)", 0.0,
         _number(float, 0, maximum=DAY_S),
         "Watchdog on FlashInfer's own creation call after a yes vote: past it, log what "
