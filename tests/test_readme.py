@@ -171,12 +171,12 @@ def broken_links(page: Path, root: Path = ROOT) -> list:
     """Every relative link of a Markdown page whose file, folder or heading is missing, and
     every repository path written as code (`docs/gpu/…/`, from the repository's root) that
     does not exist; a path with a wildcard or placeholder, or a test id's ``::`` part, is
-    taken as far as it is literal."""
+    taken as far as it is literal, and a ``:LINE`` suffix is dropped."""
     import re
 
     bad = []
     for path in re.findall(_REPO_PATH, _prose(page.read_text(), inline=False)):
-        literal = path.split("::")[0]
+        literal = re.sub(r":\d+(?:-\d+)?$", "", path.split("::")[0])  # file:line
         if not re.search(r"[*…<>{}\[\]]", literal) and not (root / literal).exists():
             bad.append(f"`{path}` (no such path)")
     for target in re.findall(_LINK, _prose(page.read_text())):
