@@ -897,11 +897,10 @@ def scale_scenarios(world: int) -> list:
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 host = peer_pid(0)
 if RANK == 0:  # stops itself inside decide, before its record: the round is open
-    rank_lib.at("probe", lambda: (mark("probe-0"), rank_lib.stop_self()))
+    rank_lib.at("probe", rank_lib.stop_self)
 dist.barrier()
 if RANK == 1:
-    def stop_and_resume():  # for 2 s from the moment it has stopped
-        await_mark("probe-0")
+    def stop_and_resume():  # for 2 s from the moment it has stopped (the store with it)
         rank_lib.wait_stopped(host)
         time.sleep(2.0); os.kill(host, signal.SIGCONT)
     threading.Thread(target=stop_and_resume, daemon=True).start()
