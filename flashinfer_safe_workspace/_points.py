@@ -37,6 +37,5 @@ def install(fn: Optional[Callable[[str], None]]) -> None:
 
 def after(value, name: str):
     """``hit(name)``, then ``value``: a point just after an expression, on the same line."""
-    if _hook is not None:
-        _hook(name)
+    hit(name)
     return value
