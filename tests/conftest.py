@@ -20,7 +20,7 @@ SLOW_FILES = {
     "test_faults.py", "test_agreement_property.py", "test_wheel.py", "test_pythons.py",
     "test_sitecustomize.py", "test_installed.py", "test_startup.py", "test_activation.py",
     "test_compat.py", "test_bench_provenance.py", "test_demo.py", "test_logs.py",
-    "test_patch.py", "test_cli_inputs.py", "test_audit.py", "test_plan.py", "test_harness.py",
+    "test_patch.py", "test_cli_inputs.py", "test_audit.py", "test_harness.py",
     "test_doctor.py", "test_check.py",
 }
 SLOW_DIRS = {"engines", "gpu"}
