@@ -13,6 +13,26 @@ def pytest_configure(config):
         "(strict mode: any other internal error fails it; each named site must report)")
 
 
+# Files whose tests start fresh interpreters, real rank sets, builds or other Pythons: seconds
+# each. They are marked ``slow``; ``pytest -m "not slow"`` is the quick subset for someone
+# editing a check (README, Tests). A test elsewhere can carry the mark itself.
+SLOW_FILES = {
+    "test_faults.py", "test_agreement_property.py", "test_wheel.py", "test_pythons.py",
+    "test_sitecustomize.py", "test_installed.py", "test_startup.py", "test_activation.py",
+    "test_compat.py", "test_bench_provenance.py", "test_demo.py", "test_logs.py",
+    "test_patch.py", "test_cli_inputs.py", "test_audit.py", "test_harness.py",
+    "test_doctor.py", "test_check.py",
+}
+SLOW_DIRS = {"engines", "gpu"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path
+        if path.name in SLOW_FILES or path.parent.name in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _clean_shim(monkeypatch):
     """Every test starts and ends with the shim uninstalled and default settings."""

@@ -1,12 +1,23 @@
-"""Run real multi-process torch.distributed (gloo) groups for tests, bounded in time."""
+"""Run real multi-process torch.distributed (gloo) groups for tests, bounded in time.
+
+Ranks are real processes, each its own interpreter state, forked from a fork server that has
+imported torch and FlashInfer once (``multiprocessing``'s forkserver, started with the same
+clean environment a fresh rank gets): importing both costs every fresh interpreter seconds of
+CPU, most of the suite's time on a small machine. Our package is never imported before the
+fork. ``FIWS_TEST_FORK=0``, or an environment that switches the shim on at interpreter
+start-up (``FLASHINFER_SAFE_WORKSPACE`` set), starts fresh interpreters instead.
+"""
 
 from __future__ import annotations
 
+import io
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -64,6 +75,89 @@ def clean_env(**extra) -> dict:
     return env
 
 
+PRELOAD = ["torch", "torch.distributed", "flashinfer.comm"]
+_ctx = None
+
+
+def _forkserver():
+    """The fork server's context, started once with a clean environment and PRELOAD."""
+    global _ctx
+    if _ctx is None:
+        from multiprocessing import forkserver
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        saved = dict(os.environ)
+        try:  # the server inherits the environment it is started in: a rank's clean one
+            os.environ.clear()
+            os.environ.update(clean_env())
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _ctx = ctx
+    return _ctx
+
+
+def _rank_main(script: str, env: dict, out_path: str, err_path: str) -> None:
+    """In a forked rank: this rank's environment, stdout/stderr to its files, then ``script``
+    as ``python -c`` would run it."""
+    import builtins
+    import signal
+
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8",
+                                  line_buffering=True)
+    for sig, handler in ((signal.SIGINT, signal.default_int_handler),
+                         (signal.SIGTERM, signal.SIG_DFL), (signal.SIGCHLD, signal.SIG_DFL)):
+        signal.signal(sig, handler)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-c"]
+    code = compile(script, "<string>", "exec")
+    exec(code, {"__name__": "__main__", "__builtins__": builtins})  # noqa: S102 - the test's own script
+    sys.stdout.flush()
+
+
+class _Forked:
+    """A forked rank with the part of ``subprocess.Popen`` that run_ranks uses."""
+
+    def __init__(self, script: str, env: dict):
+        self._dir = tempfile.TemporaryDirectory(prefix="fiws-rank-")
+        self._out, self._err = (os.path.join(self._dir.name, n) for n in ("out", "err"))
+        self._proc = _forkserver().Process(target=_rank_main, args=(script, env, self._out, self._err))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode
+
+    def kill(self):
+        if self._proc.exitcode is None:
+            self._proc.kill()
+
+    def communicate(self, timeout=None):
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired("rank", timeout)
+        try:
+            return tuple(Path(p).read_text(errors="replace") for p in (self._out, self._err))
+        finally:
+            self._dir.cleanup()
+
+
+def _start(script: str, env: dict):
+    if os.environ.get("FIWS_TEST_FORK", "1") == "0" or "FLASHINFER_SAFE_WORKSPACE" in env:
+        return subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return _Forked(script, env)
+
+
 def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None = None,
               rank_env: dict | None = None, internal_errors=()) -> list[dict]:
     """Start ``world`` ranks running PRELUDE + body + EPILOGUE; return one dict per rank:
@@ -79,8 +173,7 @@ def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None 
         e = clean_env(**(env or {}))
         e.update(FIWS_TEST_RANK=str(rank), FIWS_TEST_WORLD=str(world), FIWS_TEST_PORT=str(port))
         e.update({k: str(v) for k, v in (rank_env or {}).get(rank, {}).items()})
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(_start(script, e))
     out = []
     for rank, proc in enumerate(procs):
         left = max(1.0, timeout - (time.monotonic() - start))
@@ -89,7 +182,7 @@ def run_ranks(world: int, body: str, *, timeout: float = 90.0, env: dict | None 
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            stdout, stderr = proc.communicate()
+            stdout, stderr = proc.communicate(timeout=30)
         line = next((l for l in stdout.splitlines() if l.startswith(MARK)), None)
         out.append({"rank": rank, "result": json.loads(line[len(MARK):]) if line else None,
                     "returncode": proc.returncode, "stderr": stderr[-int(os.environ.get("FIWS_STDERR_TAIL", "3000")):],

@@ -169,3 +169,60 @@ def create(**kwargs):
         new = decisions()[before:]
         last_reasons = new[-1]["reasons"] if new else None
     return outcome, secs, err
+
+
+# -- fault points (flashinfer_safe_workspace._points): a scenario acts at a named place in
+# the decision instead of sleeping in the hope of landing inside a window
+_actions: dict = {}
+
+
+def at(point: str, action) -> None:
+    """Run ``action()`` whenever this process reaches the fault point ``point`` (in the
+    thread that reaches it; what it raises propagates from there). ``None`` removes it."""
+    from flashinfer_safe_workspace import _points
+
+    if action is None:
+        _actions.pop(point, None)
+    else:
+        _actions[point] = action
+    _points.install(_dispatch if _actions else None)
+
+
+def _dispatch(name: str) -> None:
+    action = _actions.get(name)
+    if action is not None:
+        action()
+
+
+def once(action):
+    """``action`` on the first call only (a point reached again later does nothing)."""
+    done = []
+
+    def first():
+        if not done:
+            done.append(1)
+            action()
+    return first
+
+
+def stop_self() -> None:
+    """SIGSTOP this whole process (a peer or a helper resumes it with SIGCONT)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def wait_stopped(pid: int, timeout: float = 60.0) -> bool:
+    """Until process ``pid`` is stopped (state T in /proc); False after ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        if state in ("T", "t"):
+            return True
+        time.sleep(0.01)
+    return False

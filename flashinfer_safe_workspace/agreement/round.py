@@ -23,6 +23,7 @@ import dataclasses
 import time
 from typing import Optional
 
+from .. import _points
 from .._reasons import ARG_MISMATCH
 from . import board as _board, explain as _explain, ops as _ops, store as _store
 from .board import BOARD_AFTER_S, BOARD_EVERY_S
@@ -55,8 +56,7 @@ class StoreRound:
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._entry: Optional[Board] = None  # this rank's board entry for this round
         self.calls = 0  # this rank's calls on the rank set, this one included (``board``)
-        # this round's group: its bookkeeping and its lines, also when a new default group
-        # replaces it while the round runs (``store.check_world``)
+        # this round's group's bookkeeping and lines, kept if the group is replaced (check_world)
         self.book, self.epoch = _board.BOOK, _store.epoch()
         self._watch = _board.Watch(self)
 
@@ -126,6 +126,7 @@ class StoreRound:
                     raise
                 out.commit, out.register = reg.commit, reg
         self._finish()
+        _points.hit("round.voted")
         out.elapsed_s = time.monotonic() - start
         return out
 
@@ -166,7 +167,7 @@ class StoreRound:
             if s.add(arrived, 1) < size:
                 return None
             return s.multi_get(keys)
-        raws = self.call_store(publish)
+        raws = _points.after(self.call_store(publish), "round.published")
         self.published = True
         if raws is not None:
             self._propose(out, [read_record(v) for v in raws])
@@ -192,6 +193,7 @@ class StoreRound:
                 if _ops.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
                     if not _ops.wait_key(s, reg_key, until):
                         return None
+                _points.hit("round.before_register")
                 return _ops.get_if(s, reg_key)  # decided first (an abort woke us) or now
             kind, raw = self._await(propose, reg_key, self.deadline)
             reg = self._register_or_abort(kind, raw)
@@ -255,7 +257,7 @@ class StoreRound:
             if _ops.text(ready) != PROPOSE:
                 return _ops.get_if(s, reg_key)  # written before any wake-up
             self.complete = self.acked = True  # before the add: never counted twice
-            if s.add(acks_key, 1) >= need:
+            if _points.after(s.add(acks_key, 1), "round.acked") >= need:
                 return s.compare_set(reg_key, "", commit)
             return _ops.get_if(s, reg_key) if _ops.wait_key(s, reg_key, until) else None
         return steps
@@ -269,7 +271,7 @@ class StoreRound:
         acks = 0
         if not self.acked:
             self.acked = True
-            acks = self.call_store(lambda s: s.add(acks_key, 1))
+            acks = _points.after(self.call_store(lambda s: s.add(acks_key, 1)), "round.acked")
         if acks >= len(self.ranks) - 1:
             reg = self._write(COMMIT, "every rank voted yes and acknowledged")
         else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import _reasons as R
+from .. import _points, _reasons as R
 from .._log import internal_error
 from ..agreement.record import NO, PASS_STATE, YES, Candidate, CheckResult
 from ..audit import compare as _audit
@@ -70,6 +70,7 @@ def candidate(req, version, facts, everyone, auto, settings, headroom):
     except Exception as exc:  # noqa: BLE001
         internal_error("audit.floor", exc)
         probed = plan
+    _points.hit("probe")
     try:
         res = _probe.get_prober().probe(probed, headroom)
     except _probe.ProbeUnavailable as exc:
