@@ -237,9 +237,9 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
     if outcome.commit:
         decision.action, decision.reason = "call", "every rank voted yes"
         return decision
-    decision.check = ((outcome.verdict.check if outcome.verdict is not None else "")
+    decision.check = ((outcome.register.check if outcome.register is not None else "")
+                      or (outcome.verdict.check if outcome.verdict is not None else "")
                       or (record.failed_check() if record is not None else "")
-                      or (outcome.register.check if outcome.register is not None else "")
                       or _checks.named_in(outcome.register.why if outcome.register else "")
                       or _checks.named_in(outcome.missing)) or "-"
     info = _explain.veto(outcome, call.members, decision.plan, record)

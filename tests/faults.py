@@ -850,3 +850,47 @@ def run(scenario: Scenario):
     body = COMMON + scenario.body + (HOST if scenario.host else "")
     return run_ranks(scenario.world, body, env=env, timeout=scenario.timeout,
                      internal_errors=scenario.internal_errors)
+
+
+# --------------------------------------------------------------------------- issue 23 (agree)
+# F5: the register carries the deciding check, and every rank names it from there. Rank 0
+# opens the round, then (in its probe) waits until rank 1, whose facts cannot be read, has
+# said no and returned: rank 1 saw its own record only, rank 0 sees both.
+FACTS_BROKEN = """
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+if RANK == 1:
+    def broken(device=None):
+        raise RuntimeError("the driver's facts could not be read")
+    dev.rank_facts = broken
+else:
+    probe = dev.probe
+    def held(*a, **k):
+        STORE.set("f5/probing", "1")
+        STORE.wait(["f5/answered"], datetime.timedelta(seconds=T))
+        return probe(*a, **k)
+    dev.probe = held
+dist.barrier()
+if RANK == 1:
+    STORE.wait(["f5/probing"], datetime.timedelta(seconds=T))
+outcome, secs, err = rank_lib.create(rank=RANK)
+if RANK == 1:
+    STORE.set("f5/answered", "1")
+line = rank_lib.last_decision() or {}
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, check=line.get("check"))
+"""
+
+
+def _same_check(runs):
+    none_on()(runs)
+    names = [_res(runs, r)["check"] for r in (0, 1)]
+    _expect(names[0] == names[1] and names[0] not in (None, "-"), f"checks named: {names}")
+
+
+SCENARIOS += [
+    Scenario(
+        "one rank's facts cannot be read while its peer is in its probe: both name one check", 2,
+        "import datetime\n" + FACTS_BROKEN,
+        "None on both; both decision lines name the check the register carries",
+        _same_check, internal_errors=("rank_facts",)),
+]
