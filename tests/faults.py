@@ -894,3 +894,61 @@ SCENARIOS += [
         "None on both; both decision lines name the check the register carries",
         _same_check, internal_errors=("rank_facts",)),
 ]
+
+# F3: one rank's check (or probe) blocks. That rank says no within the bound, naming the
+# step; its peer gets None within the bound too; once the step returns (in the background)
+# nothing is held, and the next call is created on both.
+STEP_BLOCKS = """
+from flashinfer_safe_workspace.checks import packages
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+gate = threading.Event()  # set once this rank's first call has answered
+if RANK == 1:
+%s
+dist.barrier()
+outcome, secs, err = rank_lib.create(rank=RANK)
+first = dict(outcome=outcome, secs=secs, reasons=rank_lib.last_reasons,
+             check=(rank_lib.last_decision() or {}).get("check"))
+gate.set()
+dist.barrier()
+outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=1024)
+result.update(first=first, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
+              live=dev.live_bytes)
+"""
+CHECK_STUCK = """
+    real = packages.local
+    def stuck(ctx):
+        gate.wait(4 * T)
+        return real(ctx)
+    packages.local = stuck
+"""
+PROBE_STUCK = """
+    real = dev.probe
+    def stuck(*a, **k):
+        gate.wait(4 * T)
+        return real(*a, **k)
+    dev.probe = stuck
+"""
+
+
+def _step_late(check):
+    def verify(runs):
+        created_on_all(runs)  # the second call: created on both, nothing held
+        firsts = [_res(runs, r)["first"] for r in (0, 1)]
+        for f in firsts:
+            _expect(f["outcome"] == "none" and f["secs"] <= BOUND, firsts)
+        _expect(firsts[1]["reasons"] == ["STEP_TIMEOUT"], firsts)
+        _expect(firsts[0]["reasons"] in (["STEP_TIMEOUT"], ["ABSENT"], ["ABORTED"]), firsts)
+        _expect(firsts[1]["check"] == check, firsts)
+    return verify
+
+
+SCENARIOS += [
+    Scenario("a check blocks on one rank: it answers within the bound, naming the check", 2,
+             STEP_BLOCKS % CHECK_STUCK,
+             "1st call: None on both within the bound (STEP_TIMEOUT, check=packages); 2nd: created",
+             _step_late("packages")),
+    Scenario("the probe blocks on one rank: it answers within the bound", 2,
+             STEP_BLOCKS % PROBE_STUCK,
+             "1st call: None on both within the bound (STEP_TIMEOUT); 2nd: created, nothing held",
+             _step_late("-")),
+]
