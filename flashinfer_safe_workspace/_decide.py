@@ -142,6 +142,7 @@ class _Call:
     wkey: tuple
     fast: object = None
     epoch: int = 0  # store.epoch() when the call began
+    round_key: str = ""  # the store round's key, once opened (the deep probe pairs on it)
 
 
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
@@ -206,6 +207,8 @@ def _run_round(rnd, call: _Call, decision: Decision):
         early = rnd.open()
         if early is not None:  # the group already decided this call without us: follow
             return early, None
+        if call.members.kind == "store":  # "<ranks>/<call>/<n>": the round, on every rank
+            call.round_key = f"{rnd.mkey}/{rnd.round_name}"
         record = _local.record(call, decision, _set_key(call.members))
         return rnd.vote(record), record
     except (_store.StoreTimeout, _store.StoreUnavailable) as exc:

@@ -17,7 +17,7 @@ import time
 from . import _bounded, _reasons as R
 from . import checks as _checks
 from ._log import internal_error, logger, rank_tag
-from .agreement import group as _group
+from .agreement import exchange as _exchange, group as _group
 from .agreement.record import NO, PASS_STATE, YES, Candidate, CheckResult, Record
 from .checks import deep as _deep, memory as _memory
 from .planning import plan as _plan, probe as _probe, request as _request
@@ -138,7 +138,8 @@ def _run_checks(call, facts, progress):
                           call.members, call.settings, call.bound, rank,
                           cc=bool(facts.confidential_compute),
                           extra={"facts_error": facts_error,
-                                 "left_s": call.deadline - time.monotonic()})
+                                 "left_s": call.deadline - time.monotonic(),
+                                 "exchange": _exchange_for(call), "prober": _probe.get_prober()})
     results = {}
     for check in _checks.LOCAL:  # one at a time: a check still running is named
         progress.step = f"check {check.NAME}"
@@ -156,3 +157,11 @@ def _run_checks(call, facts, progress):
                                           f"{type(exc).__name__}: {exc}"[:300])
     return results, _checks.first_failure(results)
 
+
+
+def _exchange_for(call):
+    """The deep probe's exchange, keyed by this call's store round (None without one)."""
+    if call.members.kind != "store" or not call.round_key:
+        return None
+    return _exchange.for_round(call.round_key, "deep", call.members.ranks, call.members.me,
+                               call.settings.vote_timeout)

@@ -952,3 +952,40 @@ SCENARIOS += [
              "1st call: None on both within the bound (STEP_TIMEOUT); 2nd: created, nothing held",
              _step_late("-")),
 ]
+
+# F1: with DEEP_PROBE=1, a rank that arrives after its round was aborted skips the checks;
+# the deep probe pairs on the round itself, so the retries are created on both
+DEEP_LATE = """
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+if RANK == 1:  # arrives once rank 0's first call has answered (its round aborted by then)
+    STORE.wait(["f1/answered"], datetime.timedelta(seconds=4 * T))
+first = rank_lib.create(rank=RANK)
+if RANK == 0:
+    STORE.set("f1/answered", "1")
+dist.barrier()
+import flashinfer_safe_workspace as fiws
+fiws.uninstall()  # the veto is forgotten: the retries decide afresh
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+dist.barrier()
+again = [rank_lib.create(rank=RANK)[0] for _ in range(2)]
+outcome, secs, err = rank_lib.create(rank=RANK)
+result.update(first=first[0], again=again, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, exports=dev.exports_live)
+"""
+
+
+def _deep_recovers(runs):
+    created_on_all(runs)
+    for r in (0, 1):
+        res = _res(runs, r)
+        _expect(res["first"] == "none" and res["again"] == ["created", "created"], res)
+        _expect(res["exports"] == 0, res)
+
+
+SCENARIOS += [
+    Scenario("deep probe: a rank arrives after its round was aborted; the retries pair", 2,
+             "import datetime\n" + DEEP_LATE,
+             "1st call: None on both; every later call: created on both (714be8f: vetoed "
+             "on every retry, blaming the store)",
+             _deep_recovers, env={"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"}),
+]
