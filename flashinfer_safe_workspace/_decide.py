@@ -1,8 +1,8 @@
 """Decide one creation call: arguments -> rank set -> plan and probe -> one round -> answer.
 
 The flow only; the pieces live elsewhere: the call's arguments (``_request``), the ranks
-(``_group``), facts and plans (``_facts``, rules), the probe (``_probe``), the round and
-its register (``_vote``), the veto messages (``_explain``).
+(``_group``), this rank's record under the call's deadline (``_local``: facts, checks,
+plan and probe), the round and its register (``_vote``), the veto messages (``_explain``).
 """
 
 from __future__ import annotations
