@@ -3,8 +3,10 @@ on the same store object. Real gloo ranks, the simulated device.
 
 - F2: the new group starts clean on the same store: a new call with equal arguments is
   created on every rank (the old group's board entries do not make it a mismatch);
-- F4: over 50 re-inits and 500 calls the process ends with the ``fiws-store`` threads and
-  the store keys it had after the first group's calls (nothing grows per re-init or call).
+- F4: over 50 re-inits (each a new group on a new store) and 500 calls, every group ends
+  with the ``fiws-store`` threads and the store keys the first group had after the same
+  calls (nothing grows per re-init or call). Rounds a rank never joins (a call only its
+  peer made) still leave their keys: not fixed here, see the agree report.
 """
 
 import faults
@@ -73,22 +75,16 @@ dev = rank_lib.setup(free_mb=None, vote_timeout=T)
 def store_threads():
     return sum(t.name == "fiws-store" for t in threading.enumerate())
 calls = 0
-def keys():
-    dist.barrier(); time.sleep(0.3); dist.barrier()  # every rank through, clean-ups sent
-    return dist.distributed_c10d._get_default_store().num_keys() if RANK == 0 else -1
 def some_calls(i):
     global calls
-    for k in range(7):  # healthy calls, a new shape each
+    for k in range(8):  # healthy calls, a new shape each
         calls += 1; rank_lib.create(rank=RANK, max_token_num=64 + 8 * (i * 8 + k))
     # a veto: rank 0 short for this shape (cached on both), then the same call again
     dev.free_bytes = (rank_lib.need_mb() - 2) * rank_lib.MiB if RANK == 0 else 80 << 30
     calls += 2; rank_lib.create(rank=RANK); rank_lib.create(rank=RANK)
     dev.free_bytes = 80 << 30
-    before = keys()
-    if RANK == 1:  # a call rank 0 never makes: a round rank 0 never joins
-        rank_lib.create(rank=RANK, max_token_num=32)
-    calls += 1; rank_lib.create(rank=RANK, max_token_num=48)
-    return before, keys()
+    dist.barrier(); time.sleep(0.2); dist.barrier()  # every rank through, clean-ups sent
+    return dist.distributed_c10d._get_default_store().num_keys() if RANK == 0 else -1
 counts = []
 for i in range(int(os.environ.get("FIWS_WORLDS", "50"))):
     if RANK == 0:
@@ -98,8 +94,8 @@ for i in range(int(os.environ.get("FIWS_WORLDS", "50"))):
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=30))
-    before, after = some_calls(i)
-    counts.append((store_threads(), before, after))
+    keys = some_calls(i)
+    counts.append((store_threads(), keys))
 dist.barrier()
 result.update(counts=counts, calls=calls, live=dev.live_bytes)
 """
@@ -111,8 +107,11 @@ def _leak_runs():
 
 def test_fifty_reinits_and_five_hundred_calls_hold_the_store_threads():
     """714be8f: 2 ``fiws-store`` threads more after every re-init (2, 4, ... 100)."""
-    for r in _leak_runs():
+    out = _leak_runs()
+    for r in out:
         assert r["calls"] == 500, r
         assert r["live"] == 0, r
-        threads = [t for t, _, _ in r["counts"]]
+        threads = [t for t, _ in r["counts"]]
         assert set(threads) == {threads[0]}, r["counts"]
+    keys = [k for _, k in out[0]["counts"]]  # each group's own store, after its 10 calls
+    assert set(keys) == {keys[0]}, keys
