@@ -1,8 +1,8 @@
 """Decide one creation call: arguments -> rank set -> plan and probe -> one round -> answer.
 
 The flow only; the pieces live elsewhere: the call's arguments (``_request``), the ranks
-(``_group``), facts and plans (``_facts``, rules), the probe (``_probe``), the round and
-its register (``_vote``), the veto messages (``_explain``).
+(``_group``), this rank's record under the call's deadline (``_local``: facts, checks,
+plan and probe), the round and its register (``_vote``), the veto messages (``_explain``).
 """
 
 from __future__ import annotations
@@ -23,22 +23,19 @@ from .agreement import (
     vote as _vote,
 )
 from . import _config
-from .planning import probe as _probe, request as _request
+from .planning import request as _request
 from . import _reasons as R
 from .agreement.explain import VetoInfo
-from .agreement.record import NO, PASS, PASS_STATE, YES, Candidate, CheckResult, Record
-from . import checks as _checks
-from .checks import deep as _deep, memory as _memory
-from ._log import internal_error, logger, rank_tag
-from .planning import plan as _plan
-from .planning.plan import PassThrough, Plan
+from .agreement.record import PASS
+from . import _local, checks as _checks
+from ._log import internal_error
+from .planning.plan import Plan
 
 UNIFIED, LEGACY = _request.UNIFIED, _request.LEGACY
 
 _veto_cache: dict = {}  # (entry, ranks, group kind, identity) -> VetoInfo, from decided rounds
 _fast: dict = {}  # exact hashable call -> the workspace key above
 _cache_lock = threading.Lock()
-_version_warned: set = set()
 
 
 @dataclasses.dataclass
@@ -145,6 +142,7 @@ class _Call:
     wkey: tuple
     fast: object = None
     epoch: int = 0  # store.epoch() when the call began
+    round_key: str = ""  # the store round's key, once opened (the deep probe pairs on it)
 
 
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
@@ -156,7 +154,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     if req is None:  # FlashInfer will raise its own TypeError: tell the peers first
         members = _group.guess_members(kwargs)
         if members is not None and members.kind == "store":
-            _tell_peers_no(members, _unbound_record(members), deadline, settings)
+            _tell_peers_no(members, _local.unbound_record(members), deadline, settings)
         return Decision("call", "arguments do not bind; FlashInfer reports its own error")
     ident = _request.identity(req)
     try:
@@ -183,7 +181,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
                         "given: FlashInfer raises its own error before allocating")
     version = _request.flashinfer_version()
     if _request.unknown_version(version) and settings.unknown_version == "pass-through":
-        _warn_version(version, settings)
+        _local.warn_version(version, settings)
         return Decision("call", f"FlashInfer {version} not mirrored; pass-through (unprotected)")
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
@@ -209,7 +207,9 @@ def _run_round(rnd, call: _Call, decision: Decision):
         early = rnd.open()
         if early is not None:  # the group already decided this call without us: follow
             return early, None
-        record = _local_record(call, decision)
+        if call.members.kind == "store":  # "<ranks>/<call>/<n>": the round, on every rank
+            call.round_key = f"{rnd.mkey}/{rnd.round_name}"
+        record = _local.record(call, decision, _set_key(call.members))
         return rnd.vote(record), record
     except (_store.StoreTimeout, _store.StoreUnavailable) as exc:
         rnd.abort_now(f"store: {exc}")
@@ -237,9 +237,9 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
     if outcome.commit:
         decision.action, decision.reason = "call", "every rank voted yes"
         return decision
-    decision.check = ((outcome.verdict.check if outcome.verdict is not None else "")
+    decision.check = ((outcome.register.check if outcome.register is not None else "")
+                      or (outcome.verdict.check if outcome.verdict is not None else "")
                       or (record.failed_check() if record is not None else "")
-                      or (outcome.register.check if outcome.register is not None else "")
                       or _checks.named_in(outcome.register.why if outcome.register else "")
                       or _checks.named_in(outcome.missing)) or "-"
     info = _explain.veto(outcome, call.members, decision.plan, record)
@@ -287,8 +287,12 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
         lock.release()
 
 
+def _set_key(members) -> str:
+    return members.kind + ":" + _vote.members_key(members.ranks)
+
+
 def _set_lock(members):  # the lock that serialises this process's decisions on a rank set
-    return _board.set_lock(members.kind + ":" + _vote.members_key(members.ranks))
+    return _board.set_lock(_set_key(members))
 
 
 def _round_for(members, ident, deadline, settings, args=None):
@@ -301,100 +305,3 @@ def _round_for(members, ident, deadline, settings, args=None):
         return _allgather.AllgatherRound(members.comm, members.size, members.me, ident, deadline,
                                     members.label)
     return _vote.LocalRound(members.label)
-
-
-def _warn_version(version, settings):
-    if version not in _version_warned:
-        _version_warned.add(version)
-        logger.warning("flashinfer_safe_workspace %s: FlashInfer %s is %s; "
-                       "UNKNOWN_VERSION=%s", rank_tag(), version,
-                       _request.unverified_why(version), settings.unknown_version)
-
-
-# --------------------------------------------------------------------------- this rank
-
-
-def _base_record(req, members, **fields) -> Record:
-    return Record(rank=_group.global_rank(), pid=os.getpid(), position=members.me,
-                  call=_request.identity(req), args=_request.summary(req), **fields)
-
-
-def _unbound_record(members) -> Record:
-    """The "no" of a rank whose arguments do not bind (its FlashInfer call raises)."""
-    return Record(rank=_group.global_rank(), pid=os.getpid(), position=members.me,
-                  call="unbound", args={"arguments": "do not bind"},
-                  candidates={"-": Candidate(NO, R.PASS_THROUGH,
-                                             "its arguments do not bind to FlashInfer's signature")})
-
-
-def _local_record(call: _Call, decision: Decision) -> Record:
-    """This rank's record: the checks, then plan and probe; never raises for our errors."""
-    req, members, settings, version = call.req, call.members, call.settings, call.version
-    if _request.unknown_version(version):
-        _warn_version(version, settings)
-        if settings.unknown_version == "veto":
-            return _base_record(req, members, candidates={"-": _memory.no(
-                False, R.UNKNOWN_VERSION, f"FlashInfer {version} not mirrored; UNKNOWN_VERSION=veto")})
-    try:  # arguments FlashInfer rejects before allocating: no device work at all
-        early = _request.plan_for(req, _plan.Facts(), version)
-    except Exception:  # noqa: BLE001 - the full path below reports it
-        early = None
-    if isinstance(early, PassThrough):
-        return _base_record(req, members, candidates={
-            "-": Candidate(PASS_STATE, R.PASS_THROUGH, early.reason[:300])})
-    headroom, why = _request.headroom(settings, req, call.bound)
-    decision.headroom_bytes, decision.headroom_why = headroom, why
-    try:
-        facts = _request.facts_for(req, members)
-    except Exception as exc:  # noqa: BLE001 - a driver query that fails is a "no"
-        code = R.NO_DEVICE if isinstance(exc, _probe.ProbeUnavailable) else R.DRIVER_ERROR
-        internal_error("facts", exc)
-        return _base_record(req, members, candidates={"-": _memory.no(
-            settings.fail_open, code, f"{type(exc).__name__}: {exc}")})
-    decision.version, decision.granularity = version, facts.granularity
-    auto = _request.auto_by_vote(req, version)
-    results, failed = _run_checks(call, facts)
-    if failed is not None:
-        name, res = failed
-        cand = _memory.no(res.ok, res.code, f"check {name}: {res.text()}")
-        names = ("nomc", "mc") if auto else ("-",)
-        return _base_record(req, members, candidates={n: cand for n in names}, auto=auto,
-                            multicast=bool(facts.multicast_supported), checks=results)
-    cands, plan = _memory.candidates(req, version, facts, settings, headroom, auto)
-    decision.plan = plan
-    for cand in cands.values():
-        if cand.device >= 0:
-            decision.device, decision.free_bytes = cand.device, cand.free_bytes
-            decision.probe_ok = cand.state == YES
-    results[_memory.NAME] = _memory.result(cands)
-    return _base_record(req, members, candidates=cands, auto=auto,
-                        multicast=bool(facts.multicast_supported), checks=results)
-
-
-def _run_checks(call: _Call, facts):
-    """``({name: CheckResult}, first failure or None)``: the local checks, then the deep
-    probe where it is switched on (every rank takes part or says it skips)."""
-    try:
-        rank = _probe.get_prober().rank_facts()
-        facts_error = ""
-    except Exception as exc:  # noqa: BLE001 - each check that needs them fails closed
-        internal_error("rank_facts", exc)
-        rank, facts_error = None, f"this rank's facts could not be read: {type(exc).__name__}: {exc}"
-    ctx = _checks.Context(call.req, call.version or "", _checks.traits_for(call.version),
-                          call.members, call.settings, call.bound, rank,
-                          cc=bool(facts.confidential_compute),
-                          extra={"facts_error": facts_error,
-                                 "left_s": call.deadline - time.monotonic()})
-    results = _checks.run_local(ctx)
-    failed = _checks.first_failure(results)
-    try:
-        if _deep.applies(ctx):
-            res = _deep.run(ctx, take_part=failed is None)
-            if res is not None:
-                results[_deep.NAME] = res
-    except Exception as exc:  # noqa: BLE001 - fail closed
-        internal_error("check.deep", exc)
-        results[_deep.NAME] = CheckResult(call.settings.fail_open, R.CHECK_ERROR, "check=deep",
-                                          f"{type(exc).__name__}: {exc}"[:300])
-    return results, _checks.first_failure(results)
-

@@ -16,6 +16,7 @@ ABSENT = 11
 STORE_ERROR = 12
 ABORTED = 13
 INCOMPLETE = 14
+STEP_TIMEOUT = 15  # this rank's plan, facts, a check or the probe ran past the deadline
 # the preflight checks (flashinfer_safe_workspace/checks/); numbered from 20 on
 CHECK_ERROR = 20
 DEVICE_MISMATCH = 21
@@ -47,6 +48,7 @@ REASON_TEXT = {
     STORE_ERROR: "the c10d store did not answer",
     ABORTED: "the group aborted",
     INCOMPLETE: "the round did not complete",
+    STEP_TIMEOUT: "a step of this rank's decision (plan, facts, a check, the probe) did not return in time",
     CHECK_ERROR: "a preflight check could not run",
     DEVICE_MISMATCH: "the release would allocate on another device than the current one",
     SHARED_GPU: "two ranks on one GPU where the release needs one GPU per rank",

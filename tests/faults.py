@@ -919,3 +919,142 @@ def run(scenario: Scenario):
     body = COMMON + scenario.body + (HOST if scenario.host else "")
     return run_ranks(scenario.world, body, env=env, timeout=scenario.timeout,
                      internal_errors=scenario.internal_errors)
+
+
+# --------------------------------------------------------------------------- issue 23 (agree)
+# F5: the register carries the deciding check, and every rank names it from there. Rank 0
+# opens the round, then (in its probe) waits until rank 1, whose facts cannot be read, has
+# said no and returned: rank 1 saw its own record only, rank 0 sees both.
+FACTS_BROKEN = """
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+if RANK == 1:
+    def broken(device=None):
+        raise RuntimeError("the driver's facts could not be read")
+    dev.rank_facts = broken
+else:
+    probe = dev.probe
+    def held(*a, **k):
+        STORE.set("f5/probing", "1")
+        STORE.wait(["f5/answered"], datetime.timedelta(seconds=T))
+        return probe(*a, **k)
+    dev.probe = held
+dist.barrier()
+if RANK == 1:
+    STORE.wait(["f5/probing"], datetime.timedelta(seconds=T))
+outcome, secs, err = rank_lib.create(rank=RANK)
+if RANK == 1:
+    STORE.set("f5/answered", "1")
+line = rank_lib.last_decision() or {}
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, check=line.get("check"))
+"""
+
+
+def _same_check(runs):
+    none_on()(runs)
+    names = [_res(runs, r)["check"] for r in (0, 1)]
+    _expect(names[0] == names[1] and names[0] not in (None, "-"), f"checks named: {names}")
+
+
+SCENARIOS += [
+    Scenario(
+        "one rank's facts cannot be read while its peer is in its probe: both name one check", 2,
+        "import datetime\n" + FACTS_BROKEN,
+        "None on both; both decision lines name the check the register carries",
+        _same_check, internal_errors=("rank_facts",)),
+]
+
+# F3: one rank's check (or probe) blocks. That rank says no within the bound, naming the
+# step; its peer gets None within the bound too; once the step returns (in the background)
+# nothing is held, and the next call is created on both.
+STEP_BLOCKS = """
+from flashinfer_safe_workspace.checks import packages
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+gate = threading.Event()  # set once this rank's first call has answered
+if RANK == 1:
+%s
+dist.barrier()
+outcome, secs, err = rank_lib.create(rank=RANK)
+first = dict(outcome=outcome, secs=secs, reasons=rank_lib.last_reasons,
+             check=(rank_lib.last_decision() or {}).get("check"))
+gate.set()
+dist.barrier()
+outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=1024)
+result.update(first=first, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls),
+              live=dev.live_bytes)
+"""
+CHECK_STUCK = """
+    real = packages.local
+    def stuck(ctx):
+        gate.wait(4 * T)
+        return real(ctx)
+    packages.local = stuck
+"""
+PROBE_STUCK = """
+    real = dev.probe
+    def stuck(*a, **k):
+        gate.wait(4 * T)
+        return real(*a, **k)
+    dev.probe = stuck
+"""
+
+
+def _step_late(check):
+    def verify(runs):
+        created_on_all(runs)  # the second call: created on both, nothing held
+        firsts = [_res(runs, r)["first"] for r in (0, 1)]
+        for f in firsts:
+            _expect(f["outcome"] == "none" and f["secs"] <= BOUND, firsts)
+        _expect(firsts[1]["reasons"] == ["STEP_TIMEOUT"], firsts)
+        _expect(firsts[0]["reasons"] in (["STEP_TIMEOUT"], ["ABSENT"], ["ABORTED"]), firsts)
+        _expect(firsts[1]["check"] == check, firsts)
+    return verify
+
+
+SCENARIOS += [
+    Scenario("a check blocks on one rank: it answers within the bound, naming the check", 2,
+             STEP_BLOCKS % CHECK_STUCK,
+             "1st call: None on both within the bound (STEP_TIMEOUT, check=packages); 2nd: created",
+             _step_late("packages")),
+    Scenario("the probe blocks on one rank: it answers within the bound", 2,
+             STEP_BLOCKS % PROBE_STUCK,
+             "1st call: None on both within the bound (STEP_TIMEOUT); 2nd: created, nothing held",
+             _step_late("-")),
+]
+
+# F1: with DEEP_PROBE=1, a rank that arrives after its round was aborted skips the checks;
+# the deep probe pairs on the round itself, so the retries are created on both
+DEEP_LATE = """
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+if RANK == 1:  # arrives once rank 0's first call has answered (its round aborted by then)
+    STORE.wait(["f1/answered"], datetime.timedelta(seconds=4 * T))
+first = rank_lib.create(rank=RANK)
+if RANK == 0:
+    STORE.set("f1/answered", "1")
+dist.barrier()
+import flashinfer_safe_workspace as fiws
+fiws.uninstall()  # the veto is forgotten: the retries decide afresh
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+dist.barrier()
+again = [rank_lib.create(rank=RANK)[0] for _ in range(2)]
+outcome, secs, err = rank_lib.create(rank=RANK)
+result.update(first=first[0], again=again, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, exports=dev.exports_live)
+"""
+
+
+def _deep_recovers(runs):
+    created_on_all(runs)
+    for r in (0, 1):
+        res = _res(runs, r)
+        _expect(res["first"] == "none" and res["again"] == ["created", "created"], res)
+        _expect(res["exports"] == 0, res)
+
+
+SCENARIOS += [
+    Scenario("deep probe: a rank arrives after its round was aborted; the retries pair", 2,
+             "import datetime\n" + DEEP_LATE,
+             "1st call: None on both; every later call: created on both (714be8f: vetoed "
+             "on every retry, blaming the store)",
+             _deep_recovers, env={"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"}),
+]

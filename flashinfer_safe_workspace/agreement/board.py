@@ -27,7 +27,7 @@ import time
 from typing import Optional
 
 from .._reasons import ARG_MISMATCH
-from . import store as _store
+from . import group as _group, store as _store
 from .record import ABORT, WAKE, Board, Record, Register
 
 BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
@@ -50,6 +50,7 @@ class Book:
         self._seen: dict = {}  # members key -> {peer rank: board generation seen}
         self._set_locks: dict = {}  # members key -> lock serialising decisions on that set
         self._boards: dict = {}  # members key -> ranks whose board entry exists (never deleted)
+        self.world: Optional[int] = None  # this default group's generation (``world_of``)
 
     def set_lock(self, key: str) -> threading.Lock:
         with self._lock:
@@ -113,6 +114,30 @@ if hasattr(os, "register_at_fork"):
 _store.on_new_world(_start_anew)  # a new default group: its store holds none of our rounds
 
 
+WORLDS_KEY = "fiws/worlds"  # every rank of every default group on this store adds 1 once
+
+
+def world_of(line, book: Book, until: float) -> int:
+    """The default group's generation on its store, the same on each of its ranks: each
+    rank adds 1 to ``WORLDS_KEY`` once per group (at its first round), so the ranks of the
+    n-th group on one store (``init_process_group(store=...)`` again) read values
+    n*size+1 .. n*size+size. A board entry of another generation is an earlier group's: it
+    is not read (``read_boards``). Where a rank took no part in some earlier group the
+    generations differ, and the boards are not read at all: a mismatch then costs the vote
+    timeout instead of ending early, never a wrong answer."""
+    if book.world is None:
+        size = _group.world_size()
+        book.world = (int(line.call(lambda s: s.add(WORLDS_KEY, 1), until)) - 1) // size
+    return book.world
+
+
+def _current(book: Book, raw) -> Optional[Board]:
+    """A peer's board entry, or None when it is unreadable or an earlier group's (a book
+    whose generation is not known yet, no round having opened, takes every entry)."""
+    b = Board.from_json(raw)
+    return b if b is not None and book.world in (None, b.world) else None
+
+
 def board_key(mkey: str, rank) -> str:
     return f"fiws/{mkey}/board/{rank}"
 
@@ -131,7 +156,7 @@ def read_boards(line, book: Book, mkey: str, peers: list, until: float) -> tuple
                                      if have else []))
     seen, found, raw = line.call(read, until)
     book.note_boards(mkey, found)
-    return seen, {r: (Board.from_json(raw[r]) if r in raw else None) for r in peers}
+    return seen, {r: (_current(book, raw[r]) if r in raw else None) for r in peers}
 
 
 def note_peers_seen(s, book: Book, mkey: str, peers: list) -> None:
@@ -141,7 +166,7 @@ def note_peers_seen(s, book: Book, mkey: str, peers: list) -> None:
     have = [r for r in peers if r in known or r in found]
     book.note_boards(mkey, found)
     for rank, raw in zip(have, s.multi_get([board_key(mkey, r) for r in have]) if have else []):
-        peer = Board.from_json(raw)
+        peer = _current(book, raw)
         if peer is not None:
             book.mark_seen(mkey, rank, peer.generation)
 

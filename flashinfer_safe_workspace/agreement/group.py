@@ -61,6 +61,17 @@ def global_rank() -> int:
     return -1
 
 
+def world_size() -> int:
+    """The default group's size (1 without one)."""
+    dist = _dist()
+    try:
+        if initialised():
+            return max(int(dist.get_world_size()), 1)
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
 def _torch_group_of(comm_backend) -> tuple:
     """(found, group) for a comm backend that exchanges over a torch group."""
     for name in ("_cpu_group", "_group", "group"):

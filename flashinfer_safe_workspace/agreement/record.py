@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Optional, Union
 
-WIRE = 5  # bump on any change of the fields below or of the values a round writes
+WIRE = 6  # bump on any change of the fields below or of the values a round writes
 
 from .._reasons import OK, REASON_TEXT
 
@@ -173,6 +173,7 @@ class Board:
     state: str  # "wait" | "no" | "done"
     args: dict = dataclasses.field(default_factory=dict)
     calls: int = 0
+    world: int = -1  # the default group's generation on this store (``board.world_of``)
     wire: int = WIRE
 
     def to_json(self) -> str:

@@ -84,6 +84,7 @@ class StoreRound:
         """This rank's round for the call; an Outcome if the group decided it already."""
         start = time.monotonic()
         self.calls = self.book.count_call(self.mkey)
+        _board.world_of(self.line, self.book, self.deadline + GRACE_S)
         c = self.book.next_round(self.mkey, self.ident)
         for _ in range(64):  # bounded: stale commits of an earlier incarnation are skipped
             self.c = c
@@ -111,7 +112,7 @@ class StoreRound:
         keys = self._rec_keys()
         own_yes = record.is_yes()
         self._entry = Board(self.book.new_generation(self.mkey), self.round_name,
-                            "wait" if own_yes else "no", self.args, self.calls)
+                            "wait" if own_yes else "no", self.args, self.calls, self.book.world)
         out = Outcome(False, key=self._k())
         if not own_yes:
             self._vote_no(out, record, keys)

@@ -59,15 +59,21 @@ class StoreLine:
         self._thread: Optional[threading.Thread] = None
         self.busy_since: Optional[float] = None  # monotonic start of the op in progress
         self.epoch = _epoch  # the default group this line's store belongs to
+        self._closed = False  # its group was replaced: the thread ends once the queue is empty
 
     # -- worker
     def _run(self):
         while True:
             with self._wake:
                 while not self._queue:
+                    if self._closed:  # nothing left of a replaced group: the thread ends,
+                        self._store = None  # and our connection with it
+                        return
                     self._wake.wait()
             if self._store is None:  # connect before any op counts as started: an op given
                 try:                 # up meanwhile is then never sent
+                    if self._closed:  # never the new group's store for an old round
+                        raise StoreUnavailable("the process group of this line was replaced")
                     self._store = self._opener()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting op
                     with self._wake:
@@ -111,6 +117,14 @@ class StoreLine:
             if not op.started:
                 op.cancelled = True
             return op.cancelled
+
+    def close(self) -> None:
+        """The line's group was replaced: its thread sends what is still queued (an old
+        round's abort or clean-up), then ends; an operation submitted later starts it
+        again for that operation only."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
 
     def _start(self):
         if self._thread is None or not self._thread.is_alive():
@@ -233,6 +247,9 @@ def check_world() -> None:
             return
         if _source is not None:  # a group replaced, not the first one seen: everything of
             # the old one goes before any thread can take the new group for current
+            for old in [_line, *_waiters.values()]:
+                if old is not None:
+                    old.close()
             _line, _waiters, _gone = None, {}, None
             _epoch += 1
             for fn in list(_resets):
