@@ -198,6 +198,11 @@ def _note_failure(exc: BaseException, line_epoch: int) -> None:
 
 
 _op_timeout_s = 300.0  # our connection's own timeout; the caller's deadline comes first
+
+
+def op_timeout_s() -> float:
+    """Our connections' own timeout (a blocking read sets its own, then restores this)."""
+    return _op_timeout_s
 _line: Optional[StoreLine] = None
 _line_lock = threading.Lock()
 
