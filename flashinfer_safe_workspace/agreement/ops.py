@@ -7,6 +7,7 @@ step in slices, with a bounded poll on the first line as its fallback.
 
 from __future__ import annotations
 
+import datetime
 import time
 
 from .record import read_record
@@ -44,17 +45,28 @@ def get_if(s, key: str):
 def wait_get(s, key: str, until: float):
     """Wait in the store until ``key`` exists and read it, in one operation: the store's
     ``get`` on our own waiting line, its timeout set to what is left until ``until``.
-    None when ``until`` passed first; a broken connection raises. A store whose timeout
-    cannot be set waits with ``wait_key`` and reads with ``get_if``."""
-    import datetime
+    None when ``until`` passed first; a broken connection raises. The store also wakes a
+    waiting ``get`` when another client reads the missing key with ``compare_set``
+    (``get_if``) or deletes it: the answer is then empty, and the wait goes on. A store
+    whose timeout cannot be set waits with ``wait_key`` and reads with ``get_if``."""
+    while True:
+        left = until - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            s.set_timeout(datetime.timedelta(seconds=left))
+        except Exception:  # noqa: BLE001 - a store without set_timeout: wait, then read
+            if not wait_key(s, key, until):
+                return None
+            raw = get_if(s, key) or b""
+        else:
+            raw = _blocking_get(s, key)
+        if raw is None or len(raw):
+            return raw
+        time.sleep(0.001)  # woken without a value: wait again
 
-    left = until - time.monotonic()
-    if left <= 0:
-        return None
-    try:
-        s.set_timeout(datetime.timedelta(seconds=left))
-    except Exception:  # noqa: BLE001 - a store without set_timeout: wait, then read
-        return get_if(s, key) if wait_key(s, key, until) else None
+
+def _blocking_get(s, key: str):
     try:
         return s.get(key)
     except Exception as exc:  # noqa: BLE001 - a timeout reads as None
@@ -71,8 +83,6 @@ def wait_get(s, key: str, until: float):
 def wait_key(s, key: str, until: float) -> bool:
     """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
     connection raises (the caller then polls on its first line)."""
-    import datetime
-
     left = until - time.monotonic()
     if left <= 0:
         return False

@@ -60,8 +60,7 @@ class StoreRound:
         self.acked = False  # this rank counted itself into ``acks`` (at most once)
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._entry: Optional[Board] = None  # this rank's board entry for this round
-        self.calls = 0  # this rank's calls on the rank set, this one included (``board``)
-        self._opened = time.monotonic()
+        self.calls, self._opened = 0, time.monotonic()  # calls on the set, this one included
         # this round's group: its bookkeeping and its lines, also when a new default group
         # replaces it while the round runs (``store.check_world``)
         self.book, self.epoch = _board.BOOK, _store.epoch()
@@ -93,6 +92,9 @@ class StoreRound:
         self.calls = self.book.count_call(self.mkey)
         self.c = self.book.next_round(self.mkey, self.ident)
         self._opened = time.monotonic()
+        for line in (self.line, _store.waiter(self.line_timeout, self.mkey, self.epoch)):
+            if line is not None:  # connect (once per process) while this rank probes
+                line.warm()
         return None
 
     def _decided_before(self, raw) -> Optional[Outcome]:
@@ -105,9 +107,6 @@ class StoreRound:
         return Outcome(False, register=reg, followed=True, key=self._k(),
                        missing=f"decided before this rank arrived: {reg.why or 'abort'}",
                        elapsed_s=time.monotonic() - self._opened)
-
-    def _consume(self):
-        self.book.consume(self.mkey, self.ident, self.c)
 
     def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
@@ -122,7 +121,7 @@ class StoreRound:
             if early is not None:
                 break
         out = early if isinstance(early, Outcome) else out
-        self._consume()
+        self.book.consume(self.mkey, self.ident, self.c)
         self._finish()
         out.elapsed_s = time.monotonic() - start
         return out
@@ -396,5 +395,5 @@ class StoreRound:
             s.compare_set(reg_key, "", value)
             s.compare_set(ready_key, "", WAKE)
         self.line.submit(abort).done.wait(0.2)
-        self._consume()
+        self.book.consume(self.mkey, self.ident, self.c)
         self._finish()
