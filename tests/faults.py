@@ -745,7 +745,10 @@ class Watched:  # rank 0's connections: note each acknowledgement; rank 2 dies a
             ACKS.append("waiting line" if self.waiting else "first line")
         return value
     def get(self, key):
-        value = self._s.get(key)
+        return self._polled(key, self._s.get(key))
+    def compare_set(self, key, expected, desired):  # the one-operation read of a poll
+        return self._polled(key, self._s.compare_set(key, expected, desired))
+    def _polled(self, key, value):
         if RANK == 0 and not self.waiting and key.endswith("/ready") and value == PROPOSE.encode():
             polled.set(); time.sleep(0.05)  # the waiting line connects during this poll
         return value

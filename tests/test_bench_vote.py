@@ -47,7 +47,7 @@ def test_verdict_names_the_goals_that_are_missed():
     text = _load().verdict(RESULTS)
     assert "warm at 2 ranks (goal <= 2 x floor + 2 ms = 2.5 ms): median 2.0 ms: met" in text
     assert "warm at 72 ranks (goal <= 2 x floor + 2 ms = 10.0 ms): median 12.0 ms: NOT met" in text
-    assert "first decision at 72 ranks (goal <= 50 ms): 60.0 ms (worse of the scenarios): NOT met" in text
+    assert "first decision at 72 ranks (goal <= 25 ms): 60.0 ms (worse of the scenarios): NOT met" in text
 
 
 def test_png_is_well_formed(tmp_path):

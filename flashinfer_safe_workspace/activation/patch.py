@@ -87,6 +87,10 @@ def install_targets() -> int:
                     count += 1
         if count:
             logger.debug("%s wrapped %d FlashInfer binding(s)", rank_tag(), count)
+    if count:  # a head start for the first decision (imports, store lines); never raises
+        from .. import _prepare
+
+        _prepare.prepare()
     return count
 
 

@@ -7,9 +7,11 @@ step in slices, with a bounded poll on the first line as its fallback.
 
 from __future__ import annotations
 
+import datetime
 import time
 
-from .store import SLICE_S, forget, is_timeout
+from .record import read_record
+from .store import SLICE_S, forget, is_timeout, op_timeout_s
 
 
 def text(raw) -> str:
@@ -27,18 +29,60 @@ def multi_set(s, keys: list, values: list) -> None:
             s.set(key, value)
 
 
+ABSENT = "\x00fiws:absent"  # never a value of ours: compare_set with it only reads
+
+
 def get_if(s, key: str):
-    """``key``'s value, or None when it is not there: never the store's blocking ``get``
-    (a round's keys go once its last rank is out, which may be while a waiting line of a
-    rank that gave up still runs its steps; its read then must not wait for the key)."""
-    return s.get(key) if s.check([key]) else None
+    """``key``'s value, or None when it is not there, in one store operation: a
+    ``compare_set`` that expects ``ABSENT`` and would write ``ABSENT`` (the store answers
+    the value it holds, or the expected value for a missing key, and writes nothing).
+    Never the store's blocking ``get`` here (a round's keys go once its last rank is out,
+    which may be while a rank that gave up still runs its steps)."""
+    raw = s.compare_set(key, ABSENT, ABSENT)
+    return None if text(raw) == ABSENT else raw
+
+
+def wait_get(s, key: str, until: float):
+    """Wait in the store until ``key`` exists and read it, in one operation: the store's
+    ``get`` on our own waiting line, its timeout set to what is left until ``until``.
+    None when ``until`` passed first; a broken connection raises. The store also wakes a
+    waiting ``get`` when another client reads the missing key with ``compare_set``
+    (``get_if``) or deletes it: the answer is then empty, and the wait goes on. A store
+    whose timeout cannot be set waits with ``wait_key`` and reads with ``get_if``."""
+    while True:
+        left = until - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            s.set_timeout(datetime.timedelta(seconds=left))
+        except Exception:  # noqa: BLE001 - a store without set_timeout: wait, then read
+            if not wait_key(s, key, until):
+                return None
+            raw = get_if(s, key) or b""
+        else:
+            raw = _blocking_get(s, key)
+        if raw is None or len(raw):
+            return raw
+        time.sleep(0.001)  # woken without a value: wait again
+
+
+def _blocking_get(s, key: str):
+    try:
+        return s.get(key)
+    except Exception as exc:  # noqa: BLE001 - a timeout reads as None
+        if is_timeout(exc):
+            return None
+        raise
+    finally:  # the line's other operations keep the connection's own timeout
+        try:
+            s.set_timeout(datetime.timedelta(seconds=op_timeout_s()))
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def wait_key(s, key: str, until: float) -> bool:
     """Wait in the store until ``key`` exists: False when ``until`` passed first; a broken
     connection raises (the caller then polls on its first line)."""
-    import datetime
-
     left = until - time.monotonic()
     if left <= 0:
         return False
@@ -49,6 +93,24 @@ def wait_key(s, key: str, until: float) -> bool:
             return False
         raise
     return True
+
+
+def records_if_all(call_store, keys) -> list:
+    """Every record of a round, or [] when one is missing (for a message only)."""
+    try:
+        return call_store(lambda s: [read_record(v) for v in s.multi_get(keys)]
+                          if s.check(keys) else [])
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+
+
+def absent(call_store, ranks, keys) -> list:
+    """The ranks whose record is missing (for a message only)."""
+    try:
+        present = call_store(lambda s: [s.check([k]) for k in keys])
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+    return [r for r, here in zip(ranks, present) if not here]
 
 
 POLL_S = 0.005  # only without a waiting line (a store without clone())

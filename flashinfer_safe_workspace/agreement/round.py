@@ -5,16 +5,22 @@ See ``vote`` for the agreement itself (what a record says, how the register deci
 keys cannot drift). This module is its transport over the store: which keys, when each
 rank writes them, how long it waits, and who cleans up.
 
-A round on the healthy path costs every rank a constant number of store operations,
-whatever the group's size: publish (record and board in one ``multi_set``) and count in
-(``add``); the rank whose count completes the set reads every record with one
-``multi_get`` and, when all say yes, writes ``ready = propose``; every other rank, blocked
-in the store on ``ready``, acknowledges with one ``add``; the acknowledgement that
-completes the count writes ``commit`` to the register, and the others, blocked on the
-register, read it. A yes therefore counts only from a rank that was still alive after
-every record was in: a rank that dies before acknowledging leaves the register to the
-deadline's abort. Boards are read only on the slow path (a round still open after
-``BOARD_AFTER_S``), with one ``multi_get``.
+Store operations per rank per decision on the healthy path (all yes), whatever N:
+first line, one hand-off: read the register (``get_if``, one ``compare_set`` that writes
+nothing: a round decided before we came is followed, a stale commit skipped), publish
+record and board (``multi_set``), count in (``add``); the count that completes the set
+reads every record (``multi_get``) = 3, or 4. Waiting line, one hand-off: that rank
+proposes (``compare_set ready``) and waits for the register and reads it in one blocking
+``get`` = 2; every other rank waits for ``ready`` and reads it (one ``get``), acknowledges
+(``add``), then completes the count and writes ``commit`` (``compare_set``) or waits for
+the register (``get``) = 3. After the answer, queued without waiting: count out (``add
+done``) = 1; the last rank out deletes the round's N + 5 keys, off every rank's path.
+Total 7 per rank in 2 hand-offs (+ 1 after), against 12-14 in 4-5 at 714be8f.
+
+A yes counts only from a rank still alive after every record was in: a rank that dies
+before acknowledging leaves the register to the deadline's abort. Every wait in the store
+is bounded by what is left of the round. Boards are read only on the slow path (a round
+still open after ``BOARD_AFTER_S``), with one ``multi_get``.
 """
 
 from __future__ import annotations
@@ -32,15 +38,10 @@ from .vote import GRACE_S, Outcome, members_key, resolve
 
 
 class StoreRound:
-    """One decision over the ranks ``ranks`` (global ranks), through the c10d store.
-
-    Keys: ``fiws/<ranks>/<identity>/<c>/`` + ``rec/<rank>`` (the records), ``arrived`` (the
-    count of yes records), ``ready`` (``propose`` or ``wake``, written once), ``acks`` (the
-    count of acknowledgements), ``reg`` (the register) and ``done``, where ``c`` counts
-    this rank's rounds of that call on that rank set; and one board entry per rank,
-    ``fiws/<ranks>/board/<rank>`` (``record.Board``), read by ``board.Watch`` when a peer
-    is slow to come.
-    """
+    """One decision over the ranks ``ranks`` (global ranks), through the c10d store. Keys
+    ``fiws/<ranks>/<identity>/<c>/`` + ``rec/<rank>``, ``arrived``, ``ready`` (``propose``
+    or ``wake``, written once), ``acks``, ``reg`` (the register), ``done``; ``c`` counts
+    this rank's rounds of the call on the set. Board entries: ``board``."""
 
     def __init__(self, line: "_store.StoreLine", ranks: tuple, me: int, ident: str,
                  deadline: float, label: str, args: Optional[dict] = None):
@@ -55,8 +56,9 @@ class StoreRound:
         self.acked = False  # this rank counted itself into ``acks`` (at most once)
         self.line_timeout = 0.0  # set by the caller: the vote timeout (the waiting line's bound)
         self._entry: Optional[Board] = None  # this rank's board entry for this round
-        self.calls = 0  # this rank's calls on the rank set, this one included (``board``)
-        # this round's group's bookkeeping and lines, kept if the group is replaced (check_world)
+        self.calls, self._opened = 0, time.monotonic()  # calls on the set, this one included
+        # this round's group: its bookkeeping and its lines, also when a new default group
+        # replaces it while the round runs (``store.check_world``)
         self.book, self.epoch = _board.BOOK, _store.epoch()
         self._watch = _board.Watch(self)
 
@@ -81,51 +83,42 @@ class StoreRound:
 
     # -- protocol
     def open(self) -> Optional[Outcome]:
-        """This rank's round for the call; an Outcome if the group decided it already."""
-        start = time.monotonic()
+        """This rank's round for the call: no store operation (``vote`` reads the register
+        in the hand-off that publishes). None: the round is not known decided."""
         self.calls = self.book.count_call(self.mkey)
-        _board.world_of(self.line, self.book, self.deadline + GRACE_S)
-        c = self.book.next_round(self.mkey, self.ident)
-        for _ in range(64):  # bounded: stale commits of an earlier incarnation are skipped
-            self.c = c
-            reg_key = self._k("reg")
-            raw = self.call_store(lambda s: s.get(reg_key) if s.check([reg_key]) else None)
-            if raw is None:
-                break
-            reg = Register.from_json(raw)
-            if not reg.commit:  # an abort (or all-pass) of this very call: follow it
-                self._consume()
-                out = Outcome(False, register=reg, followed=True, key=self._k(),
-                              missing=f"decided before this rank arrived: {reg.why or 'abort'}",
-                              elapsed_s=time.monotonic() - start)
-                self._finish()
-                return out
-            c += 1  # a commit without our record cannot be ours (a stale key): skip it
-        self._consume()
+        _board.world_of(self.line, self.book, self.deadline + GRACE_S)  # once per group
+        self.c = self.book.next_round(self.mkey, self.ident)
+        self._opened = time.monotonic()
+        for line in (self.line, _store.waiter(self.line_timeout, self.mkey, self.epoch)):
+            if line is not None:  # connect (once per process) while this rank probes
+                line.warm()
         return None
 
-    def _consume(self):
-        self.book.consume(self.mkey, self.ident, self.c)
+    def _decided_before(self, raw) -> Optional[Outcome]:
+        """A register found before publishing: an abort (or all-pass) of this very call is
+        followed; a commit without our record is stale (None: try the next round)."""
+        reg = Register.from_json(raw)
+        if reg.commit:
+            self.c += 1
+            return None
+        return Outcome(False, register=reg, followed=True, key=self._k(),
+                       missing=f"decided before this rank arrived: {reg.why or 'abort'}",
+                       elapsed_s=time.monotonic() - self._opened)
 
     def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
-        keys = self._rec_keys()
         own_yes = record.is_yes()
-        self._entry = Board(self.book.new_generation(self.mkey), self.round_name,
-                            "wait" if own_yes else "no", self.args, self.calls, self.book.world)
-        out = Outcome(False, key=self._k())
-        if not own_yes:
-            self._vote_no(out, record, keys)
-        else:
-            try:
-                self._vote_yes(out, record, keys, start)
-            except _store.StoreTimeout:
-                # the deadline passed inside a store operation (this rank was stopped, or
-                # the store was slow): one last bounded try, so that a commit is never missed
-                reg = self._final(f"rank {self.rank} reached its deadline")
-                if reg is None:
-                    raise
-                out.commit, out.register = reg.commit, reg
+        entry = Board(self.book.new_generation(self.mkey), self.round_name,
+                      "wait" if own_yes else "no", self.args, self.calls, self.book.world)
+        step = self._vote_yes if own_yes else self._vote_no
+        for _ in range(64):  # bounded: stale commits of an earlier incarnation are skipped
+            self._entry = dataclasses.replace(entry, round=self.round_name)
+            out = Outcome(False, key=self._k())
+            early = step(out, record, self._rec_keys(), start)
+            if early is not None:
+                break
+        out = early if isinstance(early, Outcome) else out
+        self.book.consume(self.mkey, self.ident, self.c)
         self._finish()
         _points.hit("round.voted")
         out.elapsed_s = time.monotonic() - start
@@ -135,8 +128,9 @@ class StoreRound:
         return [self._board_key(self.rank), self._k("rec", self.rank)], [
             self._entry.to_json(), record.to_json()]
 
-    def _vote_no(self, out, record, keys) -> None:
-        """A no needs nobody else: the abort first, then the wake-up, then the record."""
+    def _vote_no(self, out, record, keys, _start):
+        """A no needs nobody else: the abort first, then the wake-up, then the record (one
+        hand-off, after reading the register: a round decided before we came is followed)."""
         why = ("; ".join(_explain.describe(record, cand) for cand in record.candidates.values())
                or f"rank {self.rank} said no: {record.no_text()}")
         value = Register(ABORT, self.rank, why, check=record.failed_check(),
@@ -145,35 +139,58 @@ class StoreRound:
         names, values = self._publish_ops(record)
 
         def no(s):
+            before = _ops.get_if(s, reg_key)
+            if before is not None:
+                return before, False
             held = s.compare_set(reg_key, "", value)
             s.compare_set(ready_key, "", WAKE)
             _ops.multi_set(s, names, values)
-            return held
-        reg = Register.from_json(self.call_store(no))
+            return held, True
+        raw, published = self.call_store(no)
+        if not published:
+            return self._decided_before(raw)
+        reg = Register.from_json(raw)
         self.published = True
         out.commit, out.register = reg.commit, reg
-        out.records = self._records_if_all(keys) or [record]
+        out.records = _ops.records_if_all(self.call_store, keys) or [record]
         out.verdict = resolve(out.records) if len(out.records) == len(keys) else None
         self._watch.mismatches(abort_theirs=True)
+        return False
 
-    def _vote_yes(self, out, record, keys, start) -> None:
-        """Publish and count in, in one hand-off; the count that completes the set also
-        reads every record (one multi_get) and proposes; every other rank waits for the
-        proposal and acknowledges it."""
+    def _vote_yes(self, out, record, keys, start):
+        """Read the register, publish and count in, in one hand-off; the count that
+        completes the set also reads every record (one multi_get) and proposes; every
+        other rank waits for the proposal and acknowledges it. False when ``out`` holds the
+        answer; an Outcome to follow; None for a stale commit."""
         names, values = self._publish_ops(record)
-        arrived, size = self._k("arrived"), len(self.ranks)
+        arrived, size, reg_key = self._k("arrived"), len(self.ranks), self._k("reg")
 
         def publish(s):
+            before = _ops.get_if(s, reg_key)
+            if before is not None:
+                return "reg", before
             _ops.multi_set(s, names, values)
             if s.add(arrived, 1) < size:
-                return None
-            return s.multi_get(keys)
-        raws = _points.after(self.call_store(publish), "round.published")
-        self.published = True
-        if raws is not None:
-            self._propose(out, [read_record(v) for v in raws])
-        else:
-            self._wait(out, record, keys, start)
+                return "wait", None
+            return "all", s.multi_get(keys)
+        try:
+            kind, raws = self.call_store(publish)
+            if kind == "reg":
+                return self._decided_before(raws)
+            _points.hit("round.published")
+            self.published = True
+            if kind == "all":
+                self._propose(out, [read_record(v) for v in raws])
+            else:
+                self._wait(out, record, keys, start)
+        except _store.StoreTimeout:
+            # the deadline passed inside a store operation (this rank was stopped, or the
+            # store was slow): one last bounded try, so that a commit is never missed
+            reg = self._final(f"rank {self.rank} reached its deadline")
+            if reg is None:
+                raise
+            out.commit, out.register = reg.commit, reg
+        return False
 
     def _propose(self, out, records: list) -> None:
         """This rank's record completed the set: a no, a mismatch or an all-pass decides
@@ -192,10 +209,10 @@ class StoreRound:
 
             def propose(s):
                 if _ops.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
-                    if not _ops.wait_key(s, reg_key, until):
-                        return None
+                    _points.hit("round.before_register")
+                    return _ops.wait_get(s, reg_key, until)
                 _points.hit("round.before_register")
-                return _ops.get_if(s, reg_key)  # decided first (an abort woke us) or now
+                return _ops.get_if(s, reg_key)  # decided first (an abort woke us)
             kind, raw = self._await(propose, reg_key, self.deadline)
             reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
@@ -232,7 +249,7 @@ class StoreRound:
             out.commit, out.register = reg.commit, reg
             if reg.commit:  # acknowledged, and the commit landed just before our abort
                 return
-            absent = self._absent(keys)  # for the message only, after the abort is written
+            absent = _ops.absent(self.call_store, self.ranks, keys)  # for the message, after
             out.absent = tuple(absent)
             out.missing = (f"timed out after {now - start:.1f} s waiting for ranks {absent}"
                            if absent else "timed out")
@@ -250,17 +267,15 @@ class StoreRound:
         commit = Register(COMMIT, self.rank, "every rank voted yes and acknowledged").to_json()
 
         def steps(s):
-            if not _ops.wait_key(s, ready_key, until):
-                return None
-            ready = _ops.get_if(s, ready_key)
-            if ready is None:  # the round is over and its keys are gone: we gave up on it
+            ready = _ops.wait_get(s, ready_key, until)
+            if ready is None:  # ran out (or the round is over and its keys are gone)
                 return None
             if _ops.text(ready) != PROPOSE:
                 return _ops.get_if(s, reg_key)  # written before any wake-up
             self.complete = self.acked = True  # before the add: never counted twice
             if _points.after(s.add(acks_key, 1), "round.acked") >= need:
                 return s.compare_set(reg_key, "", commit)
-            return _ops.get_if(s, reg_key) if _ops.wait_key(s, reg_key, until) else None
+            return _ops.wait_get(s, reg_key, until)
         return steps
 
     def _acknowledge(self, out) -> None:
@@ -276,9 +291,9 @@ class StoreRound:
         if acks >= len(self.ranks) - 1:
             reg = self._write(COMMIT, "every rank voted yes and acknowledged")
         else:
-            reg_key = self._k("reg")
-            kind, raw = self._await(lambda s: _ops.get_if(s, reg_key) if _ops.wait_key(
-                s, reg_key, self._store_until()) else None, reg_key, self.deadline)
+            reg_key, until = self._k("reg"), self._store_until()
+            kind, raw = self._await(lambda s: _ops.wait_get(s, reg_key, until), reg_key,
+                                    self.deadline)
             reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg
 
@@ -289,22 +304,20 @@ class StoreRound:
                            "register")
 
     def _store_until(self) -> float:
-        """Where a wait in the store itself gives up: a little after the caller's own
-        deadline, at which the caller writes the awaited key itself (its abort or the
-        wake-up) and so ends the wait; torch then logs no timed-out socket."""
+        """Where a wait in the store gives up: after the caller's own deadline, where it
+        writes the awaited key itself (abort, wake-up); torch logs no timed-out socket."""
         return self.deadline + GRACE_S + 1.0
 
     def _await(self, steps, poll_key: str, until: float, tick=None) -> tuple:
         """``steps(store)`` on this rank set's waiting line, polled on the first line where
         there is none (``store.await_op``)."""
         def poll():
-            return self.call_store(lambda s: s.get(poll_key) if s.check([poll_key]) else None)
+            return self.call_store(lambda s: _ops.get_if(s, poll_key))
         line = _store.waiter(self.line_timeout, self.mkey, self.epoch)
         return _ops.await_op(line, steps, poll, until, tick, BOARD_AFTER_S, BOARD_EVERY_S)
 
-    def _read_register(self) -> Register:
-        reg_key = self._k("reg")  # written before any ``wake``: it exists
-        return Register.from_json(self.call_store(lambda s: s.get(reg_key)))
+    def _read_register(self) -> Register:  # written before any ``wake``: it exists
+        return Register.from_json(self.call_store(lambda s, k=self._k("reg"): s.get(k)))
 
     def _final(self, why: str) -> Optional[Register]:
         reg_key = self._k("reg")
@@ -324,7 +337,7 @@ class StoreRound:
             out.records = [record] + list(reg.mismatch)
             out.verdict = resolve(out.records)
             return
-        records = self._records_if_all(keys)
+        records = _ops.records_if_all(self.call_store, keys)
         if records:
             out.records, out.verdict = records, resolve(records)
 
@@ -342,20 +355,6 @@ class StoreRound:
                 s.compare_set(ready_key, "", WAKE)
             return held
         return Register.from_json(self.call_store(write))
-
-    def _records_if_all(self, keys) -> list:
-        try:
-            return self.call_store(lambda s: [read_record(v) for v in s.multi_get(keys)]
-                              if s.check(keys) else [])
-        except Exception:  # noqa: BLE001 - only for the message
-            return []
-
-    def _absent(self, keys) -> list:
-        try:
-            present = self.call_store(lambda s: [s.check([k]) for k in keys])
-        except Exception:  # noqa: BLE001 - only for the message
-            return []
-        return [r for r, here in zip(self.ranks, present) if not here]
 
     def _finish(self) -> None:
         """Count this rank out of the round (the last one removes the round's keys). A round
@@ -397,5 +396,5 @@ class StoreRound:
             s.compare_set(reg_key, "", value)
             s.compare_set(ready_key, "", WAKE)
         self.line.submit(abort).done.wait(0.2)
-        self._consume()
+        self.book.consume(self.mkey, self.ident, self.c)
         self._finish()

@@ -126,6 +126,12 @@ class StoreLine:
             self._closed = True
             self._wake.notify()
 
+    def warm(self) -> None:
+        """Connect and start the thread now, off any decision's path (a no-op queued; none
+        once connected)."""
+        if self._store is None and (self._thread is None or not self._thread.is_alive()):
+            self.submit(lambda _s: None)
+
     def _start(self):
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="fiws-store", daemon=True)
@@ -212,6 +218,11 @@ def _note_failure(exc: BaseException, line_epoch: int) -> None:
 
 
 _op_timeout_s = 300.0  # our connection's own timeout; the caller's deadline comes first
+
+
+def op_timeout_s() -> float:
+    """Our connections' own timeout (a blocking read sets its own, then restores this)."""
+    return _op_timeout_s
 _line: Optional[StoreLine] = None
 _line_lock = threading.Lock()
 
@@ -269,6 +280,22 @@ def line(vote_timeout_s: float) -> StoreLine:
 
 
 _waiters: dict = {}  # rank-set key -> its waiting line
+
+
+def prepare(vote_timeout_s: float, key: str) -> None:
+    """Open the first line and rank set ``key``'s waiting line now (their threads and
+    connections), if a default process group exists: the first decision then finds them
+    ready. Never raises."""
+    try:
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        if c10d is None or c10d._world.default_pg is None:
+            return
+        line(vote_timeout_s).warm()
+        found = waiter(vote_timeout_s, key)
+        if found is not None:
+            found.warm()
+    except Exception:  # noqa: BLE001 - only a head start
+        pass
 
 
 def waiter(vote_timeout_s: float, key: str = "", line_epoch: Optional[int] = None):
