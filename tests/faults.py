@@ -1018,11 +1018,11 @@ SCENARIOS += [
     Scenario("a check blocks on one rank: it answers within the bound, naming the check", 2,
              STEP_BLOCKS % CHECK_STUCK,
              "1st call: None on both within the bound (STEP_TIMEOUT, check=packages); 2nd: created",
-             _step_late("packages")),
+             _step_late("packages"), t=VOTE_TIMEOUT),
     Scenario("the probe blocks on one rank: it answers within the bound", 2,
              STEP_BLOCKS % PROBE_STUCK,
              "1st call: None on both within the bound (STEP_TIMEOUT); 2nd: created, nothing held",
-             _step_late("-")),
+             _step_late("-"), t=VOTE_TIMEOUT),
 ]
 
 # F1: with DEEP_PROBE=1, a rank that arrives after its round was aborted skips the checks;
