@@ -171,3 +171,31 @@ def test_board_round_trip_and_unreadable_boards():
     assert Board.from_json(json.dumps({"wire": WIRE, "generation": 1})) is None
     assert Board.from_json(json.dumps({"wire": WIRE, "generation": 1, "round": "r",
                                        "state": "no", "x": 1})) is None
+
+
+def test_the_record_text_is_stable_and_carries_any_argument():
+    from pathlib import PurePosixPath
+
+    text = FULL.to_json()
+    assert text == json.dumps(json.loads(text), sort_keys=True)  # the same text on every rank
+    odd = record(0, args={"group": PurePosixPath("g/1")})
+    assert Record.from_json(odd.to_json()).args == {"group": "g/1"}  # repr'd, never an error
+    reg = Register(ABORT, 1, "w", (odd,))
+    assert json.loads(reg.to_json())["mismatch"][0]["args"] == {"group": "g/1"}
+    assert reg.to_json() == json.dumps(json.loads(reg.to_json()), sort_keys=True)
+    board = Board(1, "r", "wait", {"p": PurePosixPath("x")})
+    assert Board.from_json(board.to_json()).args == {"p": "x"}
+    assert board.to_json() == json.dumps(json.loads(board.to_json()), sort_keys=True)
+
+
+def test_undecodable_bytes_are_unreadable():
+    with pytest.raises(Unreadable, match="^record: not JSON"):
+        Record.from_json(b"\xff\xfe")
+    assert read_record(bytearray(b"\xff")) is None
+    assert Register.from_json(b"\xff").outcome == ABORT
+    assert Board.from_json(b"\xff") is None
+
+
+def test_a_register_without_optional_fields_reads():
+    reg = Register.from_json(json.dumps({"wire": WIRE, "outcome": "abort", "by": 1}))
+    assert reg == Register(ABORT, 1)

@@ -167,3 +167,30 @@ def test_every_check_declares_its_name_code_modes_and_releases():
                      "memory": R.OUT_OF_MEMORY}
     for check in checks.ALL:
         assert check.MODES and check.RELEASES, check.NAME
+
+
+@pytest.mark.internal_errors("check.capture")
+def test_a_check_with_a_bug_fails_closed_and_reports_once(monkeypatch):
+    """A bug (not missing facts) is reported as an internal error at the check's own site;
+    settings without ``fail_open`` fail closed; the note is cut to 300 characters."""
+    import types
+
+    def broken(c):
+        raise ValueError("b" * 400)
+
+    monkeypatch.setattr(capture, "local", broken)
+    res = checks.run_one(capture, ctx(sett=types.SimpleNamespace()))
+    assert (res.ok, res.code, res.value) == (False, R.CHECK_ERROR, "check=capture")
+    assert res.note == ("ValueError: " + "b" * 400)[:300]
+
+
+def test_a_comparison_that_raises_fails_closed_for_that_check(monkeypatch):
+    from flashinfer_safe_workspace.checks import hosts
+
+    def broken(records):
+        raise KeyError("k" * 300)
+
+    monkeypatch.setattr(hosts, "compare", broken)
+    failures = checks.compare([record(0)])
+    assert [(f.check, f.code, f.by_value) for f in failures] == [("hosts", R.CHECK_ERROR, ())]
+    assert failures[0].text == ("comparison failed: KeyError: '" + "k" * 300)[:200]

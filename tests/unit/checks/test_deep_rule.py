@@ -158,3 +158,53 @@ def test_a_peer_that_never_publishes_ends_at_the_bound(hashstore):
     assert res.note in ("round trip not done in time: peers did not publish in time",
                         "round trip not done in time: the c10d store did not answer in time")
     assert dev.exports_live == 0
+
+
+class Recording:
+    """The store line, recording the deadline of every call."""
+
+    def __init__(self, line):
+        self.line, self.deadlines = line, []
+
+    def call(self, fn, deadline):
+        self.deadlines.append(deadline)
+        return self.line.call(fn, deadline)
+
+
+@pytest.mark.parametrize("left,bound", [(None, 0.5), (5.0, 2.5), (0.04, 0.05)])
+def test_the_round_trip_is_bounded_by_half_of_what_is_left(hashstore, monkeypatch, left, bound):
+    import time as _time
+
+    line = Recording(_store.line(10.0))
+    monkeypatch.setattr(_store, "line", lambda timeout: line)
+    start = _time.monotonic()
+    monkeypatch.setattr(deep, "time", type("Clock", (), {
+        "monotonic": staticmethod(lambda: start), "sleep": staticmethod(_time.sleep)}))
+    device()
+    c = deep_ctx()
+    if left is None:
+        del c.extra["left_s"]
+    else:
+        c.extra["left_s"] = left
+    base = base_of(c)
+    peer_writes(hashstore, base, {"sim": "posix", "host": "h1/boot"})
+    assert deep.run(c, True).ok
+    assert line.deadlines and set(line.deadlines) == {start + bound}
+
+
+def test_long_errors_are_cut(hashstore):
+    class Refusing(SimulatedDevice):
+        def import_handle(self, handle, token, device=None):
+            raise RuntimeError("i" * 300)
+
+    _probe.set_prober(Refusing(1 << 30))
+    c = deep_ctx(world=3)
+    base = base_of(c)
+    for pos in (1, 2):
+        peer_writes(hashstore, base, {"sim": "posix", "host": "h1/boot"}, pos=pos)
+    res = deep.run(c, True)
+    one = ("from rank 1: RuntimeError: " + "i" * 300)[:160]
+    assert res.note == ("import failed " + one + "; " + one.replace("rank 1", "rank 2"))[:300]
+    device(export_error="e" * 300)
+    res = deep.run(deep_ctx(), True)
+    assert res.note == "export failed: " + ("RuntimeError: simulated export failure: " + "e" * 300)[:200]

@@ -52,6 +52,7 @@ DEVICE = [  # (version, backend, entry, symm, rank, current, gpus_per_node, devi
     ("0.6.6", "auto", "unified", False, 3, 1, None, 2, (R.OK, "planned=cuda:1 current=cuda:1")),
     ("0.6.6", "auto", "unified", False, 3, 3, None, 8, (R.OK, "planned=cuda:3 current=cuda:3")),
     ("0.6.6", "mnnvl", "unified", False, 3, 0, 0, 8, (R.DEVICE_MISMATCH, "planned=cuda:3 current=cuda:0")),
+    ("0.6.6", "mnnvl", "unified", False, 3, 0, None, 0, (R.OK, "planned=cuda:0 current=cuda:0")),  # no GPU count: one per node
     ("0.6.7", "mnnvl", "unified", False, 3, 0, 2, 8, OFF),
     ("0.6.6", "mnnvl-cutedsl", "unified", False, 3, 0, 2, 8, OFF),
 ]
@@ -62,6 +63,11 @@ def test_mode2_planned_device(version, backend, entry, symm, rank, current, gpn,
     c = ctx(backend, version, entry=entry, symm=symm, rank=rank, world=4, gpus_per_node=gpn,
             device=current, device_count=count)
     assert outcome(device, c) == expected
+
+
+def test_mode2_device_without_a_world_size_plans_one_gpu_per_node():
+    c = ctx("mnnvl", "0.6.6", rank=3, world=None, size=4, device=0, device_count=8)
+    assert outcome(device, c) == (R.OK, "planned=cuda:0 current=cuda:0")
 
 
 def test_mode2_device_needs_an_int_rank_and_known_release():

@@ -197,3 +197,27 @@ def test_no_cuts_its_note():
     assert (c.state, c.reason, len(c.note), c.peak_bytes) == (NO, R.UNPLANNED, 300, 3)
     assert memory.no(True, R.UNPLANNED).state == YES
     assert memory.no(True, R.UNPLANNED).note == ""
+
+
+def test_what_the_probe_found_is_recorded(monkeypatch):
+    from flashinfer_safe_workspace.planning.probe import FailedAllocation, ProbeResult
+
+    class Fixed:  # a prober answering one fixed result
+        def probe(self, plan, headroom):
+            return ProbeResult(False, device=3, free_bytes=7, total_bytes=9, elapsed_s=0.0123456,
+                               failed=FailedAllocation("trtllm.buffer", 5, 999, "CUDA_ERROR_X"))
+
+    monkeypatch.setattr(_probe, "get_prober", lambda: Fixed())
+    c = memory.candidates(REQ, "0.7.4", Facts(), settings(), 0, auto=False)[0]["-"]
+    assert (c.state, c.reason, c.note, c.device, c.free_bytes, c.failed_bytes) == (
+        NO, R.PROBE_ERROR, "trtllm.buffer", 3, 7, 5)
+    assert (c.cuda_error, c.cuda_error_name, c.failed_headroom, c.probe_ms) == (
+        999, "CUDA_ERROR_X", False, 12.346)
+
+
+def test_a_long_pass_through_reason_is_cut_in_the_note_only(monkeypatch):
+    from flashinfer_safe_workspace.planning import request as _request
+
+    monkeypatch.setattr(_request, "plan_for", lambda req, facts, version: PassThrough("r" * 400))
+    c = memory.candidates(REQ, "0.7.4", Facts(), settings(), 0, auto=False)[0]["-"]
+    assert (c.state, len(c.note), c.plan_digest) == (PASS_STATE, 300, "r" * 400)
