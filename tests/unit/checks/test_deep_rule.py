@@ -31,9 +31,14 @@ ON = settings(deep_probe=True)
     ("0.6.9", "trtllm", "legacy", "store", ON, False, None),  # cudaIpc: not written
 ])
 def test_deep_applies(version, backend, entry, kind, sett, fh, expected):
+    """Settings without ``deep_probe`` leave it off."""
     c = ctx(backend, version, entry=entry, kind=kind, sett=sett, fabric_handles=fh,
             fabric=fabric())
     assert deep.applies(c) is (expected is not None)
+    import types
+
+    assert not deep.applies(ctx(backend, version, entry=entry, kind=kind, fabric_handles=fh,
+                                fabric=fabric(), sett=types.SimpleNamespace()))
     if expected is not None:
         assert deep._handle(c) == expected
 

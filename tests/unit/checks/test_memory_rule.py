@@ -190,6 +190,9 @@ def test_result_of_the_candidates():
     assert memory.result({"a": ok, "b": bad1, "c": bad2}) == CheckResult(
         False, R.OUT_OF_MEMORY, "plan=11 headroom=3 free=5", "buf")
     assert memory.result({}) == CheckResult(True, R.OK, "")
+    # a usable candidate carrying a reason (FlashInfer's own error, FAIL_OPEN): the check passes
+    for usable in (Candidate(PASS_STATE, R.PASS_THROUGH, "why"), memory.no(True, R.UNPLANNED, "n")):
+        assert memory.result({"-": usable}) == CheckResult(True, R.OK, "plan=0 headroom=0 free=-1", "")
 
 
 def test_no_cuts_its_note():
