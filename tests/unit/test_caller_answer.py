@@ -111,6 +111,8 @@ def test_engine_of_and_fields():
     assert C.engine_of("sglang").name == "SGLang"
     assert C.engine_of("vllm_x") is None and C.engine_of("x.vllm") is None
     assert C.engine_of("vllm_x") is None  # cached answer, the same
+    assert C.engine_of("vllm.a").name == "vLLM"  # cached answer, the same
+    assert C.engine_of("lmdeploy.x").name == "lmdeploy" and C.engine_of("aphrodite").prefix == "aphrodite"
     assert [e.prefix for e in C.ENGINES] == ["vllm", "sglang", "lmdeploy", "aphrodite"]
     assert C.fields(C.Answer(C.RAISE, "vllm.x", "w")) == "answer=raise caller=vllm.x"
     assert C.CHOICES == ("auto", "none", "raise")
