@@ -101,3 +101,30 @@ def test_two_aborts_keep_the_first(hashstore):
     assert r1._write(ABORT, "second") == first
     assert r1._final("third") == first
     assert held(hashstore, r0).why == "first"
+
+
+def test_an_interrupt_on_an_open_round_aborts_it_and_wakes_the_waiters(hashstore):
+    r0 = round_of(hashstore, 0)
+    r0.abort_now("interrupted")
+    op = r0.line.submit(lambda s: (s.get(r0._k("reg")), s.get(r0._k("ready"))))
+    assert op.done.wait(BOUND_S)
+    reg, ready = op.value
+    assert Register.from_json(reg) == Register(ABORT, 0, "interrupted")
+    assert ready.decode() == WAKE
+    assert r0.finished and r0.book.next_round(r0.mkey, r0.ident) == 1  # this round is spent
+
+
+def test_an_interrupt_before_or_after_a_round_writes_nothing(hashstore):
+    r0 = round_of(hashstore, 0)
+    r0.c = None  # not opened yet
+    r0.abort_now("interrupted")
+    r0.c = 0
+    r0.finished = True  # already over
+    r0.abort_now("interrupted")
+    op = r0.line.submit(lambda s: s.check([r0._k("reg")]) or s.check([r0._k("ready")]))
+    assert op.done.wait(BOUND_S) and op.value is False
+
+
+def test_a_final_try_on_an_open_round_writes_the_abort(hashstore):
+    r0 = round_of(hashstore, 0)
+    assert r0._final("rank 0 reached its deadline") == Register(ABORT, 0, "rank 0 reached its deadline")

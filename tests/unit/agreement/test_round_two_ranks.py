@@ -16,6 +16,7 @@ from flashinfer_safe_workspace.agreement.record import ABORT, COMMIT, NO, PASS, 
 from unit.facts import record, with_check
 
 BOUND_S = 30.0
+NO_LINE = -1  # a round's epoch that gets no waiting line (a replaced group's round)
 
 
 @pytest.fixture
@@ -24,8 +25,8 @@ def hashstore(monkeypatch):
     import torch.distributed as dist
 
     store = dist.HashStore()
-    monkeypatch.setattr(_store, "waiter", lambda timeout, key="", line_epoch=None:
-                        _store.StoreLine(lambda: store))
+    monkeypatch.setattr(_store, "waiter", lambda timeout, key="", line_epoch=None: None
+                        if line_epoch == NO_LINE else _store.StoreLine(lambda: store))
     return store
 
 
@@ -129,3 +130,36 @@ def test_a_second_round_of_the_same_call_uses_new_keys(hashstore):
     s0.book, s1.book = r0.book, r1.book  # the same processes, their second call
     a, b = together((s0, record(0)), (s1, record(1)))
     assert a.commit and b.commit and s0.c == r0.c + 1 == s1.c
+
+
+def test_a_no_names_each_candidate_or_says_no(hashstore):
+    from flashinfer_safe_workspace.agreement.record import Candidate
+
+    two = record(1, auto=True, cands={"nomc": Candidate(NO, R.OUT_OF_MEMORY, "buf"),
+                                      "mc": Candidate(NO, R.NO_MULTICAST)})
+    (out,) = together((rank(hashstore, 1), two))
+    assert out.register.why == ("rank 1: out of memory: buf; rank 1: no NVLink multicast on a "
+                                "path that creates a multicast object")
+    empty = record(1, cands={})
+    (out,) = together((rank(hashstore, 1, ident="other"), empty))
+    assert (out.register.outcome, out.register.why) == (ABORT, "rank 1 said no: no")
+
+
+def test_a_rank_without_a_waiting_line_acknowledges_step_by_step(hashstore):
+    """Rank 1 (a round of a replaced group: no waiting line) publishes first and polls;
+    rank 0 completes the set and proposes; rank 1 acknowledges on its first line and its
+    acknowledgement commits."""
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    r1.epoch = NO_LINE
+    out = {}
+    t = threading.Thread(target=lambda: out.update(b=r1.open() or r1.vote(record(1))), daemon=True)
+    t.start()
+    op_until = time.monotonic() + BOUND_S
+    while not hashstore.check([r1._k("rec", 1)]):
+        assert time.monotonic() < op_until
+        time.sleep(0.01)
+    (a,) = together((r0, record(0)))
+    t.join(BOUND_S + 5)
+    b = out["b"]
+    assert a.commit and b.commit and a.register == b.register
+    assert (b.register.outcome, b.register.by) == (COMMIT, 1)
