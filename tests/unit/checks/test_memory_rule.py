@@ -119,6 +119,8 @@ def test_a_plan_bug_is_an_internal_error(monkeypatch):
     device()
     c = memory.candidates(REQ, "0.7.4", Facts(), settings(), 0, auto=False)[0]["-"]
     assert (c.state, c.reason, c.note) == (NO, R.INTERNAL_ERROR, "ZeroDivisionError: rule bug")
+    opened = memory.candidates(REQ, "0.7.4", Facts(), settings(fail_open=True), 0, auto=False)
+    assert (opened[0]["-"].state, opened[0]["-"].reason) == (YES, R.INTERNAL_ERROR)
 
 
 @pytest.mark.internal_errors("probe.unavailable")
@@ -133,6 +135,8 @@ def test_no_device_is_a_no(monkeypatch):
     assert (c.state, c.reason, c.note) == (NO, R.NO_DEVICE, "no driver")
     assert (c.plan_digest, c.peak_bytes, c.headroom_bytes, c.backend) == (
         str(plan.digest()), plan.peak_bytes, 5, "trtllm")
+    opened = memory.candidates(REQ, "0.7.4", Facts(), settings(fail_open=True), 5, auto=False)
+    assert (opened[0]["-"].state, opened[0]["-"].reason) == (YES, R.NO_DEVICE)
 
 
 @pytest.mark.internal_errors("probe")
@@ -141,6 +145,8 @@ def test_a_probe_that_raises_is_a_probe_error():
     c = memory.candidates(REQ, "0.7.4", Facts(), settings(), 64 * MiB, auto=False)[0]["-"]
     assert (c.state, c.reason, c.note) == (NO, R.PROBE_ERROR, "RuntimeError: driver surprise")
     assert c.peak_bytes > 0 and c.backend == "trtllm"
+    opened = memory.candidates(REQ, "0.7.4", Facts(), settings(fail_open=True), 0, auto=False)
+    assert (opened[0]["-"].state, opened[0]["-"].reason) == (YES, R.PROBE_ERROR)
 
 
 @pytest.mark.internal_errors("audit.floor")
