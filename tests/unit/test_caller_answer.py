@@ -17,6 +17,7 @@ def _past_mutmut(monkeypatch):
     mutmut's trampolines, frames of ``mutmut.*``: looked past like this package's own."""
     monkeypatch.setattr(C, "_SKIP", C._SKIP + ("mutmut",))
     monkeypatch.setattr(C, "_skipped", {})
+    monkeypatch.setattr(C, "_engines_of", {})  # every test looks its engines up afresh
 
 
 def hop_of(module: str):
