@@ -205,8 +205,9 @@ def test_package_versions_read_cheaply_match_the_metadata():
 
 
 def test_failure_modes_doc_names_tests_that_exist():
-    """Every mode row of docs/failure-modes.md names a proving test, and each named test
-    exists (a bare name in this file, ``tests/x.py::name`` elsewhere)."""
+    """Every mode row of docs/failure-modes.md names its fast tests (``tests/unit``) and a
+    real-rank test, and each named test exists (a bare name in this file,
+    ``tests/x.py::name`` elsewhere)."""
     import re
     from pathlib import Path
 
@@ -216,8 +217,9 @@ def test_failure_modes_doc_names_tests_that_exist():
     modes = {l.split("|")[1].strip() for l in rows}
     assert {str(n) for n in range(1, 13)} <= modes
     for row in rows:
-        named = re.findall(r"`((?:tests/[\w/]+\.py::)?test_\w+)(?:\[[^\]]*\])?`", row.split("|")[-2])
-        assert named, row
+        fast, real = row.split("|")[-3:-1]  # both kinds of proof: fast layer, real ranks
+        named = re.findall(r"`((?:tests/[\w/]+\.py::)?test_\w+)(?:\[[^\]]*\])?`", fast + real)
+        assert "`tests/unit/" in fast and real.strip() and "tests/unit/" not in real, row
         for ref in named:
             path, _, name = ref.rpartition("::")
             text = (root / (path or "tests/test_checks.py")).read_text()

@@ -20,13 +20,12 @@ RELEASES = "every release (raise at import to 0.7.1; JIT inside creation from 0.
 applies = every_release
 
 
-def _matches(python: str, other: str, name: str) -> bool:
+def _matches(python: str, other: str) -> bool:
+    """Whether ``other`` is built for ``python``'s release: the same version once local tags
+    (``+cu129``) are dropped; an absent package matches."""
     if not other or not python:
         return True
-    base = python.split("+")[0]
-    if name == "flashinfer-cubin":
-        return other.split("+")[0] == base
-    return other == python or other.startswith(base + "+") or other.split("+")[0] == base
+    return other.split("+")[0] == python.split("+")[0]
 
 
 def local(ctx):
@@ -36,7 +35,7 @@ def local(ctx):
              "flashinfer-jit-cache": "jit"}
     value = " ".join(f"{short[n]}={versions.get(n) or '-'}" for n in short)
     bad = [n for n in ("flashinfer-cubin", "flashinfer-jit-cache")
-           if not _matches(python, versions.get(n, ""), n)]
+           if not _matches(python, versions.get(n, ""))]
     if bad:
         return fail(R.PACKAGE_MISMATCH, value,
                     f"{', '.join(f'{n} {versions[n]}' for n in bad)} does not match "

@@ -1,0 +1,165 @@
+"""One round of the store protocol (``agreement/round.StoreRound``) between two ranks played
+by two threads of this process over one real in-memory ``HashStore``: each rank has its own
+store line, its own waiting lines and its own bookkeeping, as two processes would. Outcomes,
+never timings, are asserted: every wait is bounded by the round's deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flashinfer_safe_workspace import _reasons as R
+from flashinfer_safe_workspace.agreement import board as _board, round as _round, store as _store
+from flashinfer_safe_workspace.agreement.record import ABORT, COMMIT, NO, PASS, PASS_STATE, Register
+from unit.facts import record, with_check
+
+BOUND_S = 10.0  # the round's deadline: a bound, never reached on the paths asserted here
+NO_LINE = -1  # a round's epoch that gets no waiting line (a replaced group's round)
+
+
+@pytest.fixture
+def hashstore(monkeypatch):
+    """One store for both ranks; every blocking wait on a line of its own on that store."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    monkeypatch.setattr(_store, "waiter", lambda timeout, key="", line_epoch=None: None
+                        if line_epoch == NO_LINE else _store.StoreLine(lambda: store))
+    return store
+
+
+def rank(store, r, ranks=(0, 1), ident="unit-round", bound=BOUND_S):
+    rnd = _round.StoreRound(_store.StoreLine(lambda: store), ranks, ranks.index(r), ident,
+                            time.monotonic() + bound, "unit")
+    rnd.book = _board.Book()  # this rank's own bookkeeping (one per process)
+    rnd.line_timeout = bound
+    return rnd
+
+
+def together(*pairs):
+    """``rnd.open()`` then ``rnd.vote(rec)`` for each (rnd, rec), each on its own thread."""
+    out = [None] * len(pairs)
+
+    def go(i, rnd, rec):
+        early = rnd.open()
+        out[i] = early if early is not None else rnd.vote(rec)
+
+    threads = [threading.Thread(target=go, args=(i, *p), daemon=True) for i, p in enumerate(pairs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S + 5)
+    assert all(o is not None for o in out), out
+    return out
+
+
+def keys_left(store, rnd) -> list:
+    names = [rnd._k(k) for k in ("reg", "arrived", "ready", "acks", "done")] + rnd._rec_keys()
+    return [k for k in names if store.check([k])]
+
+
+def wait_finished(rnd):
+    op = rnd.line.submit(lambda s: None)  # behind the round's wrap-up on its line
+    assert op.done.wait(BOUND_S)
+
+
+def test_every_rank_yes_commits_on_both(hashstore):
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    a, b = together((r0, record(0)), (r1, record(1)))
+    assert a.commit and b.commit
+    assert a.register == b.register and a.register.outcome == COMMIT
+    assert a.key == b.key == r0._k()
+    proposer = a if a.verdict is not None else b
+    assert proposer.verdict.commit and len(proposer.records) == 2
+    for r in (r0, r1):
+        wait_finished(r)
+    assert keys_left(hashstore, r0) == []  # the last rank through removed the round's keys
+
+
+def test_one_no_aborts_on_both_with_its_check(hashstore):
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    no = record(1, state=NO, reason=R.NO_MULTICAST,
+                checks_=with_check("multicast", "multicast=0", ok=False, code=R.NO_MULTICAST))
+    a, b = together((r0, record(0)), (r1, no))
+    assert not a.commit and not b.commit
+    assert a.register == b.register
+    reg = a.register
+    assert (reg.outcome, reg.by, reg.check, reg.reasons) == (ABORT, 1, "multicast", (R.NO_MULTICAST,))
+
+
+def test_plans_that_differ_abort_on_both(hashstore):
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    a, b = together((r0, record(0, digest="x")), (r1, record(1, digest="y")))
+    assert (a.commit, b.commit) == (False, False) and a.register == b.register
+    assert a.register.why == "plans differ between ranks"
+
+
+def test_every_rank_passing_is_a_pass_on_both(hashstore):
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    a, b = together((r0, record(0, state=PASS_STATE)), (r1, record(1, state=PASS_STATE)))
+    assert a.register == b.register and a.register.outcome == PASS
+    assert not a.commit and not b.commit
+
+
+def test_different_calls_abort_on_both(hashstore):
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    a, b = together((r0, record(0, call="c1", args={"n": 1})), (r1, record(1, call="c2", args={"n": 2})))
+    assert not a.commit and a.register == b.register
+    assert a.register.why == "ranks called with different arguments"
+
+
+def test_a_rank_that_never_comes_ends_in_an_abort_at_the_deadline(hashstore):
+    r0 = rank(hashstore, 0, bound=0.3)
+    (a,) = together((r0, record(0)))
+    assert not a.commit and a.register.outcome == ABORT and a.register.by == 0
+    assert a.absent == (1,)
+    assert a.missing.startswith("timed out after ") and a.missing.endswith("waiting for ranks [1]")
+    # the late rank follows the abort decided before it arrived
+    r1 = rank(hashstore, 1)
+    early = r1.open()
+    assert early is not None and early.followed and not early.commit
+    assert early.register == a.register
+
+
+def test_a_second_round_of_the_same_call_uses_new_keys(hashstore):
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    together((r0, record(0)), (r1, record(1)))
+    s0, s1 = rank(hashstore, 0), rank(hashstore, 1)
+    s0.book, s1.book = r0.book, r1.book  # the same processes, their second call
+    a, b = together((s0, record(0)), (s1, record(1)))
+    assert a.commit and b.commit and s0.c == r0.c + 1 == s1.c
+
+
+def test_a_no_names_each_candidate_or_says_no(hashstore):
+    from flashinfer_safe_workspace.agreement.record import Candidate
+
+    two = record(1, auto=True, cands={"nomc": Candidate(NO, R.OUT_OF_MEMORY, "buf"),
+                                      "mc": Candidate(NO, R.NO_MULTICAST)})
+    (out,) = together((rank(hashstore, 1), two))
+    assert out.register.why == ("rank 1: out of memory: buf; rank 1: no NVLink multicast on a "
+                                "path that creates a multicast object")
+    empty = record(1, cands={})
+    (out,) = together((rank(hashstore, 1, ident="other"), empty))
+    assert (out.register.outcome, out.register.why) == (ABORT, "rank 1 said no: no")
+
+
+def test_a_rank_without_a_waiting_line_acknowledges_step_by_step(hashstore):
+    """Rank 1 (a round of a replaced group: no waiting line) publishes first and polls;
+    rank 0 completes the set and proposes; rank 1 acknowledges on its first line and its
+    acknowledgement commits."""
+    r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+    r1.epoch = NO_LINE
+    out = {}
+    t = threading.Thread(target=lambda: out.update(b=r1.open() or r1.vote(record(1))), daemon=True)
+    t.start()
+    op_until = time.monotonic() + BOUND_S
+    while not hashstore.check([r1._k("rec", 1)]):
+        assert time.monotonic() < op_until
+        time.sleep(0.01)
+    (a,) = together((r0, record(0)))
+    t.join(BOUND_S + 5)
+    b = out["b"]
+    assert a.commit and b.commit and a.register == b.register
+    assert (b.register.outcome, b.register.by) == (COMMIT, 1)
