@@ -69,7 +69,6 @@ def test_every_module_of_the_package_is_in_a_layer():
     assert report.layer_of["agreement.round"][1] == "agreement"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: layering lands in wave 2")
 def test_the_package_has_no_cycle_and_no_upward_import():
     report = layers.measure(ROOT / "flashinfer_safe_workspace", DESIGN)
     shown = layers.render(report, "flashinfer_safe_workspace")
