@@ -113,6 +113,7 @@ def clear_cache() -> None:
 
 
 _store.on_new_world(clear_cache)  # vetoes were decided by the old default group's ranks
+_vote.use_comparison(_checks.compare)  # the round runs the cross-rank checks it is handed
 
 
 def _after_fork_in_child():
@@ -176,7 +177,8 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         if fast is not None:
             _remember(wkey, fast, hit)
         return Decision("veto", "cached veto", hit, members=members, request=req, cached=True)
-    if members.kind == "local" and _request.needs_process_group(req, members):
+    if members.kind == "local" and _request.needs_process_group(
+            req, members.label != _group.NO_PROCESS_GROUP):
         return Decision("call", "torch.distributed is not initialised and no comm_backend is "
                         "given: FlashInfer raises its own error before allocating")
     version = _request.flashinfer_version()

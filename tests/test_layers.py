@@ -69,7 +69,6 @@ def test_every_module_of_the_package_is_in_a_layer():
     assert report.layer_of["agreement.round"][1] == "agreement"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: layering lands in wave 2")
 def test_the_package_has_no_cycle_and_no_upward_import():
     report = layers.measure(ROOT / "flashinfer_safe_workspace", DESIGN)
     shown = layers.render(report, "flashinfer_safe_workspace")
@@ -209,3 +208,31 @@ def test_exit_status(tmp_path, capsys):
     bad, design = make(tmp_path / "c", {"base.py": "", "util.py": "", "odd.py": ""})
     assert layers.main(["--package", str(bad), "--design", str(design)]) == 2
     assert "in no layer" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ callables handed down
+
+
+def test_callables_handed_to_a_lower_layer_are_listed(tmp_path):
+    pkg, design = make(tmp_path, {
+        "base.py": "def run(fn):\n    return fn()\n",
+        "util.py": "from . import base\ndef h():\n    pass\nbase.run(h)\n",  # same layer
+        "mid/__init__.py": ("from .. import base\nfrom ..base import run\n"
+                            "def f():\n    pass\n"
+                            "base.run(f)\nrun(lambda: 1)\nbase.run(len)\nbase.run(f())\n"),
+        "app.py": "from . import mid as m\nfrom .mid import f\nimport pkg.base as b\nb.run(m.f)\n",
+    })
+    found = {(h.source, h.callee, h.what, h.line)
+             for h in layers.handed_down(pkg, design, tmp_path)}
+    assert found == {("mid", "base", "mid.f", 5), ("mid", "base", "lambda", 6),
+                     ("app", "base", "mid.f", 4)}
+
+
+def test_the_package_hands_down_only_the_comparison_and_the_cache_reset():
+    """What lets a call climb back up with 0 upward imports (docs/design.md walks kwargs
+    through them): the cross-rank comparison handed to the vote, and the veto cache's
+    reset handed to the store (run when the default group is replaced)."""
+    found = {(h.source, h.callee, h.what)
+             for h in layers.handed_down(ROOT / "flashinfer_safe_workspace", DESIGN, ROOT)}
+    assert found == {("_decide", "agreement.vote", "checks.compare"),
+                     ("_decide", "agreement.store", "_decide.clear_cache")}

@@ -158,5 +158,7 @@ def _from_verdict(verdict, records, ranks, details: list, named: list, reasons: 
         details.append(f"rank {rank_of(pos)}: its plan differs from the other ranks' "
                        "(different GPU facts or FlashInfer release)")
         named.append(rank_of(pos))
+    if verdict.internal:
+        reasons.add(_rec.INTERNAL_ERROR)
     if not details:
         details.append(verdict.why)

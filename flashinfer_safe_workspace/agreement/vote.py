@@ -32,20 +32,18 @@ finish it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
-from typing import Any, Optional
+from typing import Callable, Optional
 
+from .._log import internal_error
 from .._reasons import INTERNAL_ERROR
-from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register
+from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register, digest
+
+__all__ = ["GRACE_S", "LocalRound", "Outcome", "Verdict", "digest", "members_key", "resolve",
+           "use_comparison"]
 
 GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
 # register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
-
-
-def digest(obj: Any) -> str:
-    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- the verdict
@@ -63,6 +61,40 @@ class Verdict:
     all_pass: bool = False  # every rank's FlashInfer call rejects the arguments itself
     checks: tuple = ()  # checks.Failure of the cross-rank checks that failed
     check: str = ""  # the name of the check that decided a veto ("" when none did)
+    internal: bool = False  # our own failure decided it (no comparison to run): INTERNAL_ERROR
+
+
+# --------------------------------------------------------------------------- the comparisons
+#
+# The cross-rank checks are handed in: the agreement runs them and knows nothing of which
+# checks exist. ``_decide`` registers ``checks.compare`` once, at its import (before any
+# round can be built); a plain module global, so a forked child inherits it and install()/
+# uninstall() leave it alone. A re-imported ``_decide`` registers again: the last one wins.
+
+NO_COMPARISON = "no cross-rank comparison was handed to the agreement"
+_comparison: Optional[Callable[[list], list]] = None
+
+
+def use_comparison(compare: Callable[[list], list]) -> None:
+    """Hand the agreement the cross-rank comparisons: ``compare(records) -> [failures]``
+    (pure, the same on every rank). Its one caller is ``_decide``."""
+    global _comparison
+    if not callable(compare):
+        raise TypeError(f"use_comparison needs a callable, not {type(compare).__name__}")
+    _comparison = compare
+
+
+def _cross_checks(records: list) -> Optional[list]:
+    """The handed-in comparisons over every rank's record; None (fail closed: a no) when
+    none was handed in or it raised."""
+    compare = _comparison
+    try:
+        if compare is None:
+            raise RuntimeError(NO_COMPARISON)
+        return list(compare(records))
+    except Exception as exc:  # noqa: BLE001 - our bug: this rank's answer is no
+        internal_error("vote.compare", exc)
+        return None
 
 
 def resolve(records: list) -> Verdict:
@@ -82,6 +114,9 @@ def resolve(records: list) -> Verdict:
                 diff.append((name, by_value))
         return Verdict(False, "ranks called with different arguments", mismatch=tuple(diff))
     failures = _cross_checks(records)
+    if failures is None:
+        return Verdict(False, f"internal error: {NO_COMPARISON}" if _comparison is None
+                       else "internal error: the cross-rank comparison failed", internal=True)
     cand = "-"
     if records[0].auto:
         cand = "mc" if all(r.multicast for r in records) else "nomc"
@@ -104,13 +139,6 @@ def resolve(records: list) -> Verdict:
     if differ:
         return Verdict(False, "plans differ between ranks", cand, plan_mismatch=differ)
     return Verdict(True, "every rank voted yes", cand)
-
-
-def _cross_checks(records: list) -> list:
-    """The cross-rank checks (``checks.compare``) over every rank's record."""
-    from .. import checks
-
-    return checks.compare(records)
 
 
 # --------------------------------------------------------------------------- outcome

@@ -2,9 +2,9 @@
 
 ``LOCAL`` runs on every rank before the plan and the probe (``memory``, last); a check
 that raises is a failed check with ``CHECK_ERROR`` (fail-closed, never a traceback into
-the engine). ``CROSS`` compares the facts every rank published in its record; the vote
-(``agreement/vote.resolve``) calls :func:`compare`, so every rank reaches the same answer
-from the same records. ``ALL`` is what ``doctor`` lists and docs/failure-modes.md maps.
+the engine). ``CROSS`` compares the facts every rank published in its record; ``_decide`` hands
+:func:`compare` to the agreement (``vote.use_comparison``), whose ``resolve`` runs it, so
+every rank reaches the same answer from the same records. ``ALL`` is what ``doctor`` lists and docs/failure-modes.md maps.
 """
 
 from __future__ import annotations

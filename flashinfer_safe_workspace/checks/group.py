@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from .. import _reasons as R
 from ..agreement import group as _group
-from ..planning import request as _request
 from .base import fail, ok
 
 NAME = "group"
@@ -38,8 +37,21 @@ def _rendezvous_group(ctx):
     return ("group", group) if group is not None else ("WORLD", None)
 
 
+def group_mismatch(req, members: _group.Members) -> str:
+    """What the call's ``world_size``/``rank`` say against the rank set the shim votes on
+    (``""``: they agree, or there is no process group to compare with)."""
+    if members.label == _group.NO_PROCESS_GROUP:
+        return ""
+    if isinstance(req.world_size, int) and req.world_size != members.size:
+        return (f"world_size={req.world_size} but the group FlashInfer will use ({members.label}) "
+                f"has {members.size} ranks {list(members.ranks)}")
+    if isinstance(req.rank, int) and req.rank != members.me:
+        return f"rank={req.rank} but this process is rank {members.me} of {members.label}"
+    return ""
+
+
 def local(ctx):
-    mismatch = _request.group_mismatch(ctx.req, ctx.members)
+    mismatch = group_mismatch(ctx.req, ctx.members)
     if mismatch:
         return fail(R.ARG_MISMATCH, f"ranks={ctx.members.size}", mismatch)
     found = _rendezvous_group(ctx)

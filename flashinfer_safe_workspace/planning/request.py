@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable, Optional
 
-from ..agreement import group as _group, vote as _vote
+from ..agreement.record import digest
 from . import plan as _plan
 from .plan import Request, dtype_name
 
@@ -82,7 +82,7 @@ def summary(req: Request) -> dict:
 
 
 def identity(req: Request) -> str:
-    return _vote.digest(summary(req))
+    return digest(summary(req))
 
 
 def uses_comm_backend(req: Request) -> bool:
@@ -91,25 +91,15 @@ def uses_comm_backend(req: Request) -> bool:
     return True  # unified: the comm_backend if given, else group/WORLD (mnnvl: MPI world)
 
 
-def needs_process_group(req: Request, members: _group.Members) -> bool:
+def needs_process_group(req: Request, process_group: bool) -> bool:
     """The trtllm workspace of a multi-rank group exchanges through torch.distributed
     (``TorchDistBackend``, or symmetric memory on WORLD) unless a comm_backend is given;
-    without an initialised process group FlashInfer raises before allocating anything."""
-    return (members.label == _group.NO_PROCESS_GROUP
+    without an initialised process group (``process_group`` False) FlashInfer raises
+    before allocating anything."""
+    return (not process_group
             and isinstance(req.world_size, int) and req.world_size > 1
             and not req.has_comm_backend
             and (req.entry == LEGACY or req.backend == "trtllm"))
-
-
-def group_mismatch(req: Request, members: _group.Members) -> str:
-    if members.label == _group.NO_PROCESS_GROUP:
-        return ""
-    if isinstance(req.world_size, int) and req.world_size != members.size:
-        return (f"world_size={req.world_size} but the group FlashInfer will use ({members.label}) "
-                f"has {members.size} ranks {list(members.ranks)}")
-    if isinstance(req.rank, int) and req.rank != members.me:
-        return f"rank={req.rank} but this process is rank {members.me} of {members.label}"
-    return ""
 
 
 # --------------------------------------------------------------------------- rules glue
