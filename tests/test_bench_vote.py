@@ -8,6 +8,8 @@ import struct
 import zlib
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "vote"
 
 
@@ -66,3 +68,25 @@ def test_png_is_well_formed(tmp_path):
     assert len(raw) == h * (1 + 3 * w)
     assert raw.count(bytes((214, 39, 40))) > 10  # the veto series is drawn
     assert raw.count(bytes((127, 127, 127))) > 10  # the store floor is drawn
+
+
+@pytest.mark.slow
+def test_a_real_two_rank_run_counts_every_phase(tmp_path):
+    """bench/vote itself, 2 real gloo ranks, 2 warm rounds, --count-ops: it finishes, both
+    scenarios give their outcome, and the breakdown names every phase (the bench wraps the
+    package's own steps by name: a step renamed in the package must be renamed here)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "2", "--reps", "2",
+                           "--count-ops", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED" not in proc.stdout, proc.stdout[-2000:]
+    data = json.loads((tmp_path / "vote-ops.json").read_text())
+    text = json.dumps(data)
+    for phase in ("facts", "checks", "plan", "probe", "agreement"):
+        assert f'"{phase}' in text, phase
+    table = (tmp_path / "vote-ops.md").read_text()
+    assert "| 2 | pass |" in table and "| 2 | veto |" in table, table
