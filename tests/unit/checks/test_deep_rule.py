@@ -147,7 +147,7 @@ def test_an_export_that_fails(hashstore):
 def test_a_peer_that_never_publishes_ends_at_the_bound(hashstore):
     dev = SimulatedDevice(1 << 30)
     res = deep.run(deep_ctx(hashstore, dev, left_s=0.1), True)  # bound: half what is left
-    assert (res.ok, res.code) == (False, R.DEEP_PROBE_FAILED)
+    assert (res.ok, res.code, res.value) == (False, R.DEEP_PROBE_FAILED, "handle=posix")
     assert res.note == ("ranks [1] published no handle in this round's deep probe before "
                         "its bound (half the time left)")
     assert dev.exports_live == 0
@@ -158,6 +158,7 @@ def test_a_peer_that_never_finishes_importing_is_named(hashstore):
     c = deep_ctx(hashstore, dev, left_s=0.1)
     peer_writes(hashstore, {"sim": "posix", "host": "h1/boot"}, done=False)
     res = deep.run(c, True)
+    assert (res.ok, res.code, res.value) == (False, R.DEEP_PROBE_FAILED, "handle=posix")
     assert res.note == "ranks [1] did not finish importing before the bound"
     assert dev.exports_live == 0
 
@@ -219,3 +220,26 @@ def test_only_the_peer_that_never_publishes_is_named(hashstore):
     assert res.note == ("ranks [2] published no handle in this round's deep probe before "
                         "its bound (half the time left)")
     assert dev.exports_live == 0
+
+
+def test_a_skipping_peer_does_not_stop_the_imports_of_the_next(hashstore):
+    dev = SimulatedDevice(1 << 30)
+    c = deep_ctx(hashstore, dev, world=3)
+    peer_writes(hashstore, {"skip": True, "host": "h1/boot"}, done=False, pos=1)
+    peer_writes(hashstore, {"sim": "posix", "host": "h1/boot"}, pos=2)
+    assert deep.run(c, True).ok and dev.imports == 1
+
+
+def test_the_export_released_is_the_one_exported(hashstore):
+    class Keeping(SimulatedDevice):
+        released: list = []
+
+        def release_export(self, keep):
+            self.released.append(keep)
+            super().release_export(keep)
+
+    dev = Keeping(1 << 30)
+    c = deep_ctx(hashstore, dev)
+    peer_writes(hashstore, {"skip": True, "host": "h1/boot"}, done=False)
+    assert deep.run(c, True).ok
+    assert len(dev.released) == 1 and dev.released[0]["sim"] == "posix"
