@@ -75,13 +75,13 @@ class Exchange:
 
     def _wait(self, wanted: dict, deadline: float) -> dict:
         """``{position: value}`` of the keys in ``wanted`` present by ``deadline``."""
-        names = list(wanted.values())
+        names, have = list(wanted.values()), []
         while True:
-            try:
+            try:  # a poll cut short by the bound keeps what the last one found
                 there = self.line.call(lambda s: [s.check([k]) for k in names], deadline)
+                have = [p for p, ok in zip(wanted, there) if ok]
             except _store.StoreTimeout:
-                there = [False] * len(names)
-            have = [p for p, ok in zip(wanted, there) if ok]
+                pass
             if len(have) == len(wanted) or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)

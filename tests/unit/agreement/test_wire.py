@@ -162,10 +162,11 @@ def test_an_unreadable_register_is_an_abort(raw, why):
 
 # ---------------------------------------------------------------- the board
 def test_board_round_trip_and_unreadable_boards():
-    b = Board(3, "c/2", "wait", {"n": 1}, 5)
+    b = Board(3, "c/2", "wait", {"n": 1}, 5, 7)
     assert Board.from_json(b.to_json()) == b
     assert Board.from_json(b.to_json().encode()) == b
-    assert Board(1, "r", "done") == Board(1, "r", "done", {}, 0, WIRE)
+    assert json.loads(b.to_json())["world"] == 7  # the default group's generation travels
+    assert Board(1, "r", "done") == Board(1, "r", "done", {}, 0, -1, WIRE)
     assert Board.from_json("x") is None
     assert Board.from_json(json.dumps({"wire": WIRE - 1})) is None
     assert Board.from_json(json.dumps({"wire": WIRE, "generation": 1})) is None
