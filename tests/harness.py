@@ -117,9 +117,18 @@ def _rank_main(script: str, env: dict, out_path: str, err_path: str) -> None:
         signal.signal(sig, handler)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = ["-c"]
-    code = compile(script, "<string>", "exec")
-    exec(code, {"__name__": "__main__", "__builtins__": builtins})  # noqa: S102 - the test's own script
+    if isinstance(script, tuple):  # (path, argv): ``python PATH ARGV...``
+        import runpy
+
+        path, argv = script
+        sys.argv = [path, *argv]
+        if "FLASHINFER_SAFE_WORKSPACE" in env:  # what the installed .pth line would call
+            __import__("flashinfer_safe_workspace.activation.gate").activation.gate.from_pth()
+        runpy.run_path(path, run_name="__main__")
+    else:
+        sys.argv = ["-c"]
+        code = compile(script, "<string>", "exec")
+        exec(code, {"__name__": "__main__", "__builtins__": builtins})  # noqa: S102 - the test's own script
     sys.stdout.flush()
 
 
@@ -141,6 +150,9 @@ class _Forked:
         if self._proc.exitcode is None:
             self._proc.kill()
 
+    def poll(self):
+        return self._proc.exitcode
+
     def communicate(self, timeout=None):
         self._proc.join(timeout)
         if self._proc.exitcode is None:
@@ -149,6 +161,19 @@ class _Forked:
             return tuple(Path(p).read_text(errors="replace") for p in (self._out, self._err))
         finally:
             self._dir.cleanup()
+
+
+def start_file(path, argv, env: dict, *, fresh: bool = False):
+    """``python PATH ARGV...`` with ``env``: forked from the fork server (its ``.pth`` line's
+    call, ``gate.from_pth()``, made first when the switch is in ``env``: torch and FlashInfer
+    are already imported there, so the shim wraps at once instead of waiting for the first
+    ``import flashinfer``), or with ``fresh`` (or ``FIWS_TEST_FORK=0``) a fresh interpreter
+    whose installed ``.pth`` runs at start-up. A ``subprocess.Popen``-like handle, text mode."""
+    argv = [str(a) for a in argv]
+    if fresh or os.environ.get("FIWS_TEST_FORK", "1") == "0":
+        return subprocess.Popen([sys.executable, str(path), *argv], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return _Forked((str(path), argv), env)
 
 
 def _start(script: str, env: dict):

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+import harness  # noqa: E402
 import strict  # noqa: E402
 
 DOC = HERE.parent.parent / "docs" / "engines.md"
@@ -44,10 +44,19 @@ MODES = ("none", "raise", "auto")
 _RUNS: dict = {}
 
 
+# The releases whose ranks are fresh interpreters, activated by the installed ``.pth`` at
+# start-up exactly as in production (the variable set before Python starts, the shim waiting
+# for the first ``import flashinfer``). Every other run forks its ranks from the fork server
+# of tests/harness.py (torch and FlashInfer imported once), which makes the ``.pth`` line's
+# own call, ``gate.from_pth()``, before the rank's script runs: the same activation function,
+# with FlashInfer already imported (the engine's own files are still imported after it).
+FRESH = {("vllm", "0.33.0")}
+
+
 def run_ranks(dist: str, version: str, root: Path, free_mb, modes=MODES, **env_extra):
     """One process per rank, every mode in turn inside the same pair of processes (the
-    first activated by the variable and the ``.pth``, the next ones by ``uninstall()`` and
-    ``install(on_veto=...)``); returns ``{mode: [report of rank 0, rank 1, ...]}``.
+    first activated by the variable and the ``.pth`` line, the next ones by ``uninstall()``
+    and ``install(on_veto=...)``); returns ``{mode: [report of rank 0, rank 1, ...]}``.
     Memoized: the tests of one release and its three modes share one run."""
     key = (dist, version, str(root), tuple(free_mb), tuple(modes), tuple(sorted(env_extra.items())))
     if key in _RUNS:
@@ -58,11 +67,10 @@ def run_ranks(dist: str, version: str, root: Path, free_mb, modes=MODES, **env_e
     env.update(env_extra)
     port = str(_port())
     world = str(len(free_mb))
-    procs = [subprocess.Popen(
-        [sys.executable, str(HERE / "engine_rank.py"), dist, version, str(root), str(rank),
-         world, port, ",".join(modes), str(free)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank, free in enumerate(free_mb)]
+    fresh = (dist, version) in FRESH
+    procs = [harness.start_file(
+        HERE / "engine_rank.py", [dist, version, root, rank, world, port, ",".join(modes), free],
+        env, fresh=fresh) for rank, free in enumerate(free_mb)]
     reports = []
     try:
         for proc in procs:

@@ -7,7 +7,9 @@ are imported under their real module names (their parent packages are namespace
 packages: no ``__init__.py`` is fetched, so nothing else of the engine loads). The
 few modules they import that need the rest of the engine (or a GPU) are replaced by
 the stand-ins below, each with the reason. The shim is activated the production way
-(``FLASHINFER_SAFE_WORKSPACE=1`` in the environment, so the installed ``.pth`` runs),
+(``FLASHINFER_SAFE_WORKSPACE=1`` in the environment, so the installed ``.pth`` runs; a rank
+forked from the test fork server, ``_runner.FRESH`` says which, makes the ``.pth`` line's call
+itself before this script runs),
 FlashInfer is the installed one, the vote runs over real gloo groups, and the GPU is
 a ``SimulatedDevice`` with FREE_MB free MiB. Prints one JSON line.
 
