@@ -69,3 +69,38 @@ def test_an_acknowledger_stopped_after_its_add_agrees_with_the_others():
     created = [r["calls"] > 0 for r in out]
     assert all(created) or not any(created), out
     assert out[2]["live"] == 0, out
+
+
+def test_wait_get_outlives_a_read_a_delete_and_another_write_of_the_store():
+    """``ops.wait_get`` on a real TCPStore: a peer's ``get_if`` of the awaited key, a delete
+    of it and a write of another key wake the store's ``get`` with nothing; the wait goes on
+    and returns the value written later, and a key never written ends at ``until``."""
+    import datetime
+    import threading
+    import time
+
+    from torch.distributed import TCPStore
+
+    from flashinfer_safe_workspace.agreement import ops
+
+    t = datetime.timedelta(seconds=10)
+    host = TCPStore("127.0.0.1", 0, None, True, timeout=t, wait_for_workers=False)
+    a = TCPStore("127.0.0.1", host.port, None, False, timeout=t)
+    b = TCPStore("127.0.0.1", host.port, None, False, timeout=t)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(
+        v=ops.wait_get(a, "k", time.monotonic() + 5.0)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    assert ops.get_if(b, "k") is None
+    time.sleep(0.1)
+    b.delete_key("k")
+    b.compare_set("other", "", "x")
+    time.sleep(0.1)
+    assert waiter.is_alive()  # still waiting: nothing was written to "k"
+    b.set("k", "val")
+    waiter.join(5.0)
+    assert got == {"v": b"val"}
+    start = time.monotonic()
+    assert ops.wait_get(a, "never", start + 0.3) is None
+    assert time.monotonic() - start < 0.3 + 2.0
