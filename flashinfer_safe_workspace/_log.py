@@ -59,7 +59,7 @@ def internal_error(site: str, exc: BaseException) -> None:
 # --------------------------------------------------------------------------- the decision line
 #
 # One INFO line per decision per rank, stable for grepping; ``DECISION_LINE`` parses it (the
-# docs/logs.md documents every field; tests/test_logs.py checks its example against it).
+# docs/logs.md documents every field; tests/ranks/test_logs.py checks its example against it).
 
 DECISION_FIELDS = ("rank", "pid", "outcome", "entry", "backend", "ranks", "device", "plan_bytes",
                    "free_bytes", "headroom_bytes", "headroom", "probe", "answer", "caller",

@@ -1,6 +1,6 @@
 """The fault matrix: scenarios run as real multi-process gloo groups on the simulated device.
 
-Shared by tests/test_faults.py (asserts) and scripts/reliability-matrix (writes
+Shared by tests/ranks/test_faults.py (asserts) and scripts/reliability-matrix (writes
 docs/reliability.md). Each scenario: ranks run ``body`` (with rank_lib helpers); every rank
 reports its outcome, time to return, whether FlashInfer created a workspace on it, the
 simulated bytes still held, and (where every rank is alive) whether the host's own

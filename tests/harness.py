@@ -69,7 +69,7 @@ def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_SAFE_WORKSPACE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
     # never the working tree's package: the current directory stays off sys.path (3.11+),
-    # so every child imports the installed wheel (tests/test_installed.py checks it)
+    # so every child imports the installed wheel (tests/package/test_installed.py checks it)
     env["PYTHONSAFEPATH"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env

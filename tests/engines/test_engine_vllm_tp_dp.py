@@ -11,7 +11,7 @@ flashinfer#3247). vLLM 0.22.0 pins FlashInfer 0.6.11.post2; 0.26 adds ``group=gr
 Four gloo ranks, TP=2 x DP=2 (TP groups [0, 1] and [2, 3], as vLLM lays out DP outside
 TP), every simulated GPU with 80 GiB free, so only the ``group`` check can say no. The
 shim plans for the release in ``FIWS_ENGINE_PLAN_FLASHINFER`` (FlashInfer's
-``__version__`` set in the rank, as tests/test_checks.py does); the installed FlashInfer
+``__version__`` set in the rank, as tests/ranks/test_checks.py does); the installed FlashInfer
 (0.7.4) is what runs if a call is let through, down to its workspace classes, which are
 stand-ins (no GPU). Every wait is bounded: the vote by ``VOTE_TIMEOUT=60``, each rank
 process by ``_runner.TIMEOUT``.

@@ -23,6 +23,7 @@ from _runner import engine_root
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "activation"))
 
 import harness  # noqa: E402
 from test_activation import REPORT, package_dirs  # noqa: E402

@@ -87,7 +87,7 @@ class shim_off:
     legacy function through its (wrapped) binding in ``flashinfer.comm.allreduce``, which
     would probe and vote. ``uninstall()`` is not used either: it misses bindings that
     took the proxy by ``from ... import`` after the import hook wrapped the defining module
-    (tests/test_compat.py's xfail), which is exactly ``allreduce``'s binding here."""
+    (tests/activation/test_compat.py's xfail), which is exactly ``allreduce``'s binding here."""
 
     NAMES = ("create_allreduce_fusion_workspace",
              "trtllm_create_ipc_workspace_for_all_reduce_fusion")

@@ -8,7 +8,7 @@
     entry       plan_for(request, facts, version): THE entry point
 
 The formulas are written from the project's reference notes on FlashInfer's
-allocations, not copied code; the conformance test (tests/test_conformance.py) runs
+allocations, not copied code; the conformance test (tests/tools/test_conformance.py) runs
 FlashInfer's real creation code against recording stand-ins and compares what it asks
 for with these plans. Everything but ``cutedsl`` is pure Python (no torch, no CUDA).
 """

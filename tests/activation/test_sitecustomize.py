@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "sitecustomize_example"
 CODE = ("import sys, json; print('OUT' + json.dumps({'ours': 'flashinfer_safe_workspace' in sys.modules,"
         " 'shadowed': getattr(sys, '_shadowed_ran', False),"

@@ -1,7 +1,7 @@
 """Activation, every path through one gate, each in a fresh interpreter: the ``.pth`` line,
 the ``.start`` file (PEP 829), plain import (activates nothing), ``install()``; the order
 they run in and running twice. The engines' real plugin loaders are in
-``tests/engines/test_plugins.py``; the built wheel's contents in ``tests/test_wheel.py``.
+``tests/engines/test_plugins.py``; the built wheel's contents in ``tests/package/test_wheel.py``.
 
 The interpreters run with ``-S`` (no site-packages ``.pth`` runs by itself) and the
 installed package's folder on ``PYTHONPATH``, so the path under test is the only one.
@@ -21,7 +21,7 @@ import pytest
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PTH = ROOT / "flashinfer_safe_workspace.pth"
 START = ROOT / "flashinfer_safe_workspace.start"
 

@@ -10,7 +10,7 @@ import pytest
 
 from flashinfer_safe_workspace import _config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("raw,expected,warns", [

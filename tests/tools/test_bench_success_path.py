@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "success-path"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "success-path"
 
 
 def _load():

@@ -229,7 +229,7 @@ def test_docs_cli_covers_the_console_script_every_command_and_exit_code():
 
     _main = importlib.import_module("flashinfer_safe_workspace.cli.main")  # the module
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     doc = (root / "docs" / "cli.md").read_text()
     script = re.search(r'^(\S+) = "flashinfer_safe_workspace\.cli:main"',
                        (root / "pyproject.toml").read_text(), re.M).group(1)

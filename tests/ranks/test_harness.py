@@ -27,7 +27,7 @@ def test_a_rank_sees_its_own_environment_and_the_installed_package(fork, monkeyp
     rs = harness.results(runs)
     import flashinfer_safe_workspace as fiws
 
-    for r in rs:  # the package this process imports (tests/test_installed.py: the wheel)
+    for r in rs:  # the package this process imports (tests/package/test_installed.py: the wheel)
         assert Path(r["file"]).resolve() == Path(fiws.__file__).resolve(), r["file"]
         assert r["sigint"] is True and r["argv"] == ["-c"] and r["ours"] == []
     assert rs[0]["env"] == ["FIWS_X_ALL", "FIWS_X_PARENT_ONLY"]

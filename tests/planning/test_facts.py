@@ -13,7 +13,7 @@ from flashinfer_safe_workspace.planning import facts as _facts
 from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 from flashinfer_safe_workspace.planning.plan import MiB
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_signal_pad_is_the_installed_torch_pad():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TREE = ROOT / "flashinfer_safe_workspace"  # the working tree's copy
 
 

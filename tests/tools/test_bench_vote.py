@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "vote"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vote"
 
 
 def _load():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flashinfer_safe_workspace._log import DECISION_FIELDS, DECISION_LINE, parse_decision_lines
 
-LOGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "logs.md"
+LOGS_DOC = Path(__file__).resolve().parents[2] / "docs" / "logs.md"
 
 TIMEOUT = 180
 MiB = 1 << 20
