@@ -810,8 +810,8 @@ def old_call():
     old["x"] = rank_lib.create(rank=RANK, max_token_num=512)[0]
 if RANK == 1:  # the old call holds in its probe while the group is replaced
     in_probe, replaced = threading.Event(), threading.Event()
-    def hold():
-        if threading.current_thread() is thread:
+    def hold():  # the first probe is the old call's (its steps run on the set's worker)
+        if not in_probe.is_set():
             in_probe.set(); replaced.wait(60)
     rank_lib.at("probe", hold)
     thread = threading.Thread(target=old_call); thread.start()
