@@ -10,7 +10,6 @@ The points (where they sit):
 
 - ``probe``: in the memory check, just before the probe allocates;
 - ``round.published``: a yes rank has published its record and counted itself in;
-- ``round.no_published``: a no rank has written its abort and published its record;
 - ``round.acked``: a waiting rank has added its acknowledgement (on the waiting line);
 - ``round.before_register``: a rank is about to read the decided register;
 - ``round.voted``: a rank's vote is over (its outcome known, its round counted out).

@@ -208,11 +208,10 @@ class StoreRound:
             until = self._store_until()
 
             def propose(s):
-                if _ops.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE:
-                    _points.hit("round.before_register")
-                    return _ops.wait_get(s, reg_key, until)
+                proposed = _ops.text(s.compare_set(ready_key, "", PROPOSE)) == PROPOSE
                 _points.hit("round.before_register")
-                return _ops.get_if(s, reg_key)  # decided first (an abort woke us)
+                # proposed: wait for the register; else it was decided first (an abort woke us)
+                return _ops.wait_get(s, reg_key, until) if proposed else _ops.get_if(s, reg_key)
             kind, raw = self._await(propose, reg_key, self.deadline)
             reg = self._register_or_abort(kind, raw)
         out.commit, out.register = reg.commit, reg

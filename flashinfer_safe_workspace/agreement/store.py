@@ -284,12 +284,9 @@ _waiters: dict = {}  # rank-set key -> its waiting line
 
 def prepare(vote_timeout_s: float, key: str) -> None:
     """Open the first line and rank set ``key``'s waiting line now (their threads and
-    connections), if a default process group exists: the first decision then finds them
-    ready. Never raises."""
+    connections); the caller (``_prepare``) has seen a default process group. The first
+    decision then finds them ready. Never raises."""
     try:
-        c10d = sys.modules.get("torch.distributed.distributed_c10d")
-        if c10d is None or c10d._world.default_pg is None:
-            return
         line(vote_timeout_s).warm()
         found = waiter(vote_timeout_s, key)
         if found is not None:

@@ -134,12 +134,6 @@ def unverified_why(version: str) -> str:
         return "not a release whose source was read"
 
 
-def newest() -> str:
-    from . import rules
-
-    return ".".join(map(str, rules.NEWEST[:3]))
-
-
 def auto_by_vote(req: Request, version: Optional[str]) -> bool:
     from . import rules
 
