@@ -10,7 +10,6 @@ register), never as an exception in the round.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from typing import Optional, Union
 
@@ -25,12 +24,6 @@ COMMIT, ABORT, PASS = "commit", "abort", "pass"
 # a round's ``ready`` key (written once): every record is in and all say yes, so each
 # waiting rank is asked to acknowledge (PROPOSE); or the register is decided already (WAKE)
 PROPOSE, WAKE = f"propose/{WIRE}", f"wake/{WIRE}"
-
-
-def digest(obj) -> str:
-    """The wire's short digest of a JSON-able value (a call's arguments, a rank set):
-    equal on every rank for equal values, whatever the key order."""
-    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class Unreadable(ValueError):

@@ -37,7 +37,8 @@ from typing import Callable, Optional
 
 from .._log import internal_error
 from .._reasons import INTERNAL_ERROR
-from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register, digest
+from ..planning.plan import digest
+from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register
 
 __all__ = ["GRACE_S", "LocalRound", "Outcome", "Verdict", "digest", "members_key", "resolve",
            "use_comparison"]

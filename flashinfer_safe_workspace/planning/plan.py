@@ -48,6 +48,12 @@ class Unplanned(Exception):
     """The rules cannot say what this call allocates (our limitation, not FlashInfer's)."""
 
 
+
+def digest(obj) -> str:
+    """The wire's short digest of a JSON-able value (a call's arguments, a rank set):
+    equal on every rank for equal values, whatever the key order."""
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One creation call, normalised from FlashInfer's signature."""

@@ -14,9 +14,8 @@ import os
 import sys
 from typing import Callable, Optional
 
-from ..agreement.record import digest
 from . import plan as _plan
-from .plan import Request, dtype_name
+from .plan import Request, digest, dtype_name
 
 UNIFIED = "unified"
 LEGACY = "legacy"
