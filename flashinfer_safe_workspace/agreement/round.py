@@ -14,7 +14,8 @@ proposes (``compare_set ready``) and waits for the register and reads it in one 
 ``get`` = 2; every other rank waits for ``ready`` and reads it (one ``get``), acknowledges
 (``add``), then completes the count and writes ``commit`` (``compare_set``) or waits for
 the register (``get``) = 3. After the answer, queued without waiting: count out (``add
-done``) = 1; the last rank out deletes the round's N + 5 keys, off every rank's path.
+done``) = 1; the last rank out deletes the round's N + 5 keys, off every rank's path (a
+round some rank never counts out of: ``leftovers``).
 Total 7 per rank in 2 hand-offs (+ 1 after), against 12-14 in 4-5 at 714be8f.
 
 A yes counts only from a rank still alive after every record was in: a rank that dies
@@ -31,7 +32,8 @@ from typing import Optional
 
 from .. import _points
 from .._reasons import ARG_MISMATCH
-from . import board as _board, explain as _explain, ops as _ops, store as _store
+from . import board as _board, explain as _explain, leftovers as _leftovers, ops as _ops
+from . import store as _store
 from .board import BOARD_AFTER_S, BOARD_EVERY_S
 from .record import ABORT, COMMIT, PASS, PROPOSE, WAKE, Board, Record, Register, read_record
 from .vote import GRACE_S, Outcome, members_key, resolve
@@ -364,24 +366,27 @@ class StoreRound:
             return
         self.finished = True
         done_key, size, mkey = self._k("done"), len(self.ranks), self.mkey
-        keys = self._rec_keys() + [self._k(k) for k in ("reg", "arrived", "ready", "acks")]
-        keys.append(done_key)
+        keys = self._rec_keys() + [self._k(k) for k in ("reg", "arrived", "ready", "acks", "done")]
         entry = self._entry if (self.published and not self.complete) else None
         board_key = self._board_key(self.rank)
         peers = [] if self.complete else [r for r in self.ranks if r != self.rank]
-        book = self.book
+        book, not_before = self.book, self.deadline + self.line_timeout + GRACE_S
 
         def wrap_up(s):
             if entry is not None:
                 s.set(board_key, dataclasses.replace(entry, state="done").to_json())
             if peers:
                 _board.note_peers_seen(s, book, mkey, peers)
-            if s.add(done_key, 1) >= size:
+            if s.add(done_key, 1) < size:  # a round some rank may never count out of
+                if peers:
+                    _leftovers.remember(done_key, keys, not_before)
+            else:
                 for key in keys:
                     try:
                         s.delete_key(key)
                     except Exception:  # noqa: BLE001 - cleanup only
                         pass
+            _leftovers.reap(s)  # earlier rounds left behind, long decided
         self.line.submit(wrap_up)
 
     def abort_now(self, why: str) -> None:

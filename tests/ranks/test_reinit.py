@@ -5,8 +5,9 @@ on the same store object. Real gloo ranks, the simulated device.
   created on every rank (the old group's board entries do not make it a mismatch);
 - F4: over 50 re-inits (each a new group on a new store) and 500 calls, every group ends
   with the ``fiws-store`` threads and the store keys the first group had after the same
-  calls (nothing grows per re-init or call). Rounds a rank never joins (a call only its
-  peer made) still leave their keys: not fixed here, see the agree report.
+  calls (nothing grows per re-init or call);
+- F4, within one group: rounds a rank never joins (a call only its peer made) are removed
+  by a later count-out once long decided (``agreement/leftovers.py``).
 """
 
 import faults
@@ -115,3 +116,38 @@ def test_fifty_reinits_and_five_hundred_calls_hold_the_store_threads():
         assert set(threads) == {threads[0]}, r["counts"]
     keys = [k for _, k in out[0]["counts"]]  # each group's own store, after its 10 calls
     assert set(keys) == {keys[0]}, keys
+
+
+REAP_BODY = faults.COMMON + """
+from flashinfer_safe_workspace.agreement import store as _line_of
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+def keys():  # once every rank's queued clean-ups have run (the store line is first in, first out)
+    _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
+    dist.barrier()
+    n = STORE.num_keys() if RANK == 0 else -1
+    dist.barrier()
+    return n
+for k in range(3):  # healthy calls: what every rank set keeps (boards, generations)
+    rank_lib.create(rank=RANK, max_token_num=64 + 8 * k)
+base = keys()
+skewed = []
+if RANK == 1:  # calls rank 0 never makes: rank 1 alone opens their rounds
+    skewed = [rank_lib.create(rank=RANK, max_token_num=1000 + k)[0] for k in range(5)]
+left = keys()  # rank 0 waits in keys() meanwhile
+time.sleep(2 * T + 1.5)  # every skewed round is long decided after this (a lower bound only)
+rank_lib.create(rank=RANK, max_token_num=512)  # a later count-out removes what was left
+end = keys()
+result.update(base=base, left=left, end=end, skewed=skewed, live=dev.live_bytes)
+"""
+
+
+def test_rounds_a_rank_never_joins_are_removed_later():
+    """F4: rounds only rank 1 opened (calls rank 0 never made) kept their keys for the life
+    of the group (15-34 keys at 714be8f against 5); a later count-out removes them once
+    they are long decided, and the store ends with the keys it had before them."""
+    out = results(run_ranks(2, REAP_BODY, env={"FIWS_T": "1.5"}, timeout=180))
+    r0, r1 = out
+    assert r1["skewed"] == ["none"] * 5, r1
+    assert r0["left"] > r0["base"], r0  # the skewed rounds' keys were there
+    assert r0["end"] == r0["base"], r0
+    assert r0["live"] == r1["live"] == 0, out

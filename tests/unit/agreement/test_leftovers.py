@@ -1,0 +1,85 @@
+"""Rounds some rank never counted out of (issue 23, F4): remembered by a rank that left
+before the last one, removed by a later count-out once due, against a real ``HashStore``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flashinfer_safe_workspace.agreement import leftovers
+
+
+@pytest.fixture
+def store():
+    import torch.distributed as dist
+
+    leftovers._forget_all()
+    yield dist.HashStore()
+    leftovers._forget_all()
+
+
+def _round(store, name, n=3):
+    keys = [f"fiws/0-1/{name}/0/{k}" for k in ("rec/0", "reg", "arrived", "done")][:n] + [
+        f"fiws/0-1/{name}/0/done"]
+    for key in keys:
+        store.set(key, "x")
+    return keys[-1], keys
+
+
+def test_a_due_round_still_in_the_store_is_removed(store):
+    done, keys = _round(store, "a")
+    leftovers.remember(done, keys, time.monotonic() - 1)
+    assert leftovers.reap(store) == 1
+    assert not any(store.check([k]) for k in keys)
+    assert leftovers.pending() == 0
+
+
+def test_a_round_not_yet_due_stays_until_it_is(store):
+    done, keys = _round(store, "b")
+    leftovers.remember(done, keys, time.monotonic() + 60)
+    assert leftovers.reap(store) == 0
+    assert all(store.check([k]) for k in keys)
+    assert leftovers.pending() == 1
+
+
+def test_a_round_the_last_rank_removed_costs_one_check(store):
+    done, keys = _round(store, "c")
+    other_key = "fiws/0-1/c/0/rec/1"  # not the round's remembered key: must stay
+    store.set(other_key, "y")
+    store.delete_key(done)  # the last rank out removed the round
+    leftovers.remember(done, keys, time.monotonic() - 1)
+    assert leftovers.reap(store) == 0
+    assert store.check([other_key]) and store.check([keys[0]])
+    assert leftovers.pending() == 0
+
+
+def test_a_pass_looks_at_no_more_than_per_pass_rounds(store):
+    rounds = [_round(store, f"d{i}") for i in range(leftovers.PER_PASS + 3)]
+    for done, keys in rounds:
+        leftovers.remember(done, keys, time.monotonic() - 1)
+    assert leftovers.reap(store) == leftovers.PER_PASS
+    assert leftovers.pending() == 3
+    assert leftovers.reap(store) == 3
+
+
+def test_a_store_that_fails_keeps_the_rest_going(store):
+    class Failing:
+        def check(self, keys):
+            raise RuntimeError("store gone")
+
+    done, keys = _round(store, "e")
+    leftovers.remember(done, keys, time.monotonic() - 1)
+    assert leftovers.reap(Failing()) == 0  # dropped, never raised
+    assert leftovers.pending() == 0
+
+
+def test_the_oldest_are_forgotten_beyond_the_limit(store, monkeypatch):
+    monkeypatch.setattr(leftovers, "LIMIT", 2)
+    for i in range(3):
+        leftovers.remember(f"done{i}", [f"done{i}"], time.monotonic() - 1)
+    assert leftovers.pending() == 2
+    store.set("done0", "x")
+    store.set("done2", "x")
+    assert leftovers.reap(store) == 1  # done1 is absent; done0 was forgotten
+    assert store.check(["done0"]) and not store.check(["done2"])
