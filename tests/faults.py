@@ -1059,5 +1059,6 @@ SCENARIOS += [
              "import datetime\n" + DEEP_LATE,
              "1st call: None on both; every later call: created on both (714be8f: vetoed "
              "on every retry, blaming the store)",
-             _deep_recovers, env={"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"}),
+             _deep_recovers, env={"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"},
+             t=6.0),  # rank 0 waits its first call's timeout out: 6 s, not LONG_T
 ]

@@ -16,6 +16,7 @@ property's: a long-lived set cannot lose a rank.
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -23,6 +24,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from rankset import RankSet
 
 T = 2.0
+# examples per run (each one a few calls on 2-4 real ranks, ~0.5 s): 100 in the suite, more
+# for a longer search (FIWS_PROPERTY_EXAMPLES=1000 pytest tests/ranks/test_agreement_property.py)
+EXAMPLES = int(os.environ.get("FIWS_PROPERTY_EXAMPLES") or 100)
 BOUND = T + 2.0
 DELAYS = (0.0, 0.0, 0.05, 0.2)
 # each fault: the reason code its rank's "no" carries, and the site of our code where it
@@ -138,7 +142,7 @@ def _check_step(i, step, got, settled):
 _settled: dict = {}  # rank set -> its last call was clean and created everywhere
 
 
-@settings(max_examples=200, deadline=None, print_blob=True,
+@settings(max_examples=EXAMPLES, deadline=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=_cases())
 def test_created_on_every_rank_or_on_none(rank_sets, case):

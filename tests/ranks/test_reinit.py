@@ -71,6 +71,7 @@ def test_new_group_on_the_same_store_starts_clean():
 
 LEAK_BODY = faults.COMMON + """
 import datetime, threading, harness
+from flashinfer_safe_workspace.agreement import store as _line_of
 CTL = STORE  # the first group's store stays up: it hands each new group's port round
 dev = rank_lib.setup(free_mb=None, vote_timeout=T)
 def store_threads():
@@ -84,8 +85,12 @@ def some_calls(i):
     dev.free_bytes = (rank_lib.need_mb() - 2) * rank_lib.MiB if RANK == 0 else 80 << 30
     calls += 2; rank_lib.create(rank=RANK); rank_lib.create(rank=RANK)
     dev.free_bytes = 80 << 30
-    dist.barrier(); time.sleep(0.2); dist.barrier()  # every rank through, clean-ups sent
-    return dist.distributed_c10d._get_default_store().num_keys() if RANK == 0 else -1
+    # once every rank's queued clean-ups have run (the store line is first in, first out)
+    _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
+    dist.barrier()
+    n = dist.distributed_c10d._get_default_store().num_keys() if RANK == 0 else -1
+    dist.barrier()
+    return n
 counts = []
 for i in range(int(os.environ.get("FIWS_WORLDS", "50"))):
     if RANK == 0:
