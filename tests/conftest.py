@@ -8,6 +8,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_configure(config):
+    # pytest-xdist's workers (pyproject: addopts -n 2) are fresh interpreters started
+    # without -P: keep the current directory off their sys.path as well, so that every
+    # worker imports the installed package, as the README's command does
+    if sys.flags.safe_path:
+        os.environ.setdefault("PYTHONSAFEPATH", "1")
     config.addinivalue_line(
         "markers", "internal_errors(*sites): the test injects a bug at these sites of our code "
         "(strict mode: any other internal error fails it; each named site must report)")
