@@ -96,6 +96,29 @@ result.update(outcome=outcome, err=err, calls=len(rank_lib.calls), check=d.get("
     assert_created(new)
 
 
+def test_mode1_group_given_is_the_tp_group_on_0_6_10():
+    """TP=2 x DP=2 on 0.6.10 again, now with ``group=`` the TP group: FlashInfer rendezvouses
+    on it, so every rank creates. The check reads that group's size and this rank's place in
+    it, not WORLD's (4 ranks): reading WORLD's there vetoes every rank (mutation testing,
+    ``checks.group`` ``x_local__mutmut_21``/``_24``, which one process cannot tell apart)."""
+    body = """
+import rank_lib, flashinfer
+flashinfer.__version__ = '0.6.10'
+class TorchDistBackend:
+    def __init__(self, group): self._group = group
+    def Get_rank(self): return dist.get_rank(self._group)
+    def Get_size(self): return dist.get_world_size(self._group)
+tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+tp = tps[RANK // 2]
+rank_lib.setup(free_mb=None, on_veto="raise")
+outcome, secs, err = rank_lib.create(rank=RANK % 2, comm_backend=TorchDistBackend(tp), group=tp)
+d = rank_lib.last_decision() or {}
+result.update(outcome=outcome, err=err, calls=len(rank_lib.calls), check=d.get("check"),
+              secs=secs, reasons=rank_lib.last_reasons, line_reasons=d.get("reasons"))
+"""
+    assert_created(results(run_ranks(4, body, timeout=120)))
+
+
 def test_mode2_device_is_tp_rank_before_0_6_7():
     rs = run({}, version="0.6.5")  # both ranks on cuda:0; 0.6.5 allocates on cuda:tp_rank
     assert_vetoed(rs, "device", R.DEVICE_MISMATCH)
