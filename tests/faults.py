@@ -227,23 +227,44 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 host = peer_pid(0)  # read before the store stops answering
-if RANK == 0:  # stops itself inside its probe (before its record), once rank 1 waits in the vote
-    rank_lib.at("probe", lambda: (await_mark("published-1"), rank_lib.stop_self()))
-else:
-    rank_lib.at("round.published", lambda: mark("published-1"))
+if RANK == 0:  # stops itself inside its probe (on the worker that runs its steps, before its
+    # record) once rank 1 waits in the vote; resumed, the probe goes on only once this call
+    # has answered: the step is still running at the deadline whichever thread runs first
+    answered, probed, probe = threading.Event(), threading.Event(), dev.probe
+    rank_lib.at("probe", lambda: (await_mark("published-1"), rank_lib.stop_self(),
+                                  answered.wait(60)))
+    def probe_then_tell(*a, **k):
+        try:
+            return probe(*a, **k)
+        finally:
+            probed.set()
+    dev.probe = probe_then_tell
+else:  # waits in the vote only once the store is stopped: no operation of its own after
+    # publishing can be answered before it has returned
+    rank_lib.at("round.published", lambda: (mark("published-1"), rank_lib.wait_stopped(host)))
 dist.barrier()
 outcome, secs, err = rank_lib.create(rank=RANK)
 if RANK == 1:  # resume the store host before reporting (the report's time is taken above)
     result["stopped"] = rank_lib.wait_stopped(host)
     os.kill(host, signal.SIGCONT)
+else:  # the late probe ends in the background: nothing may be held once it has
+    answered.set()
+    result["probed"] = probed.wait(60)
 result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
-        "rank 1 returns None within the bound while the store is stopped; rank 0 None on resume",
+        "rank 1 returns None within the bound while the store is stopped (STORE_ERROR); rank 0, "
+        "its probe stopped past its deadline, None on resume, naming the late step (STEP_TIMEOUT)",
         lambda runs: (all_or_none(runs, [1]), all_or_none(runs, [0], timeouts=2),
                       _expect(_res(runs, 1)["stopped"] is True, runs),
+                      _expect(_res(runs, 0)["probed"] is True, runs),
                       _expect([_res(runs, r)["outcome"] for r in (0, 1)] == ["none", "none"], runs)),
         timeout=90, t=VOTE_TIMEOUT,
-        reasons={0: (["STORE_ERROR"], ["ABSENT"], ["ABORTED"]), 1: (["STORE_ERROR"], ["ABSENT"])}),
+        # rank 0's own no is the late probe (STEP_TIMEOUT); how its round ended for it depends
+        # on whether its resumed store operations are still inside its deadline + GRACE_S
+        # (ranks start apart) and on whether rank 1's queued abort reaches the store first:
+        # out of time (STORE_ERROR), rank 1's abort followed (ABORTED), or its own abort won
+        reasons={0: (["STEP_TIMEOUT", "STORE_ERROR"], ["ABORTED", "STEP_TIMEOUT"], ["STEP_TIMEOUT"]),
+                 1: ["STORE_ERROR"]}),
     Scenario(
         "Ctrl-C (SIGINT) on a rank waiting in the vote; peer arrives later", 2,
         _free() + """
