@@ -20,10 +20,11 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from faults import bound
 from rankset import RankSet
 
 T = 2.0
-BOUND = T + 2.0
+BOUND = bound(T)  # slack that scales with the vote timeout (the fault matrix's bound)
 DELAYS = (0.0, 0.0, 0.05, 0.2)
 # each fault: the reason code its rank's "no" carries, and the site of our code where it
 # shows as an internal error (strict mode: that site only, on that rank only)
