@@ -239,37 +239,36 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         "rank stopped (SIGSTOP) in the vote, resumed after the timeout", 2,
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
-if RANK == 1:
-    rank_lib.at("probe", rank_lib.stop_self)  # stopped inside decide, before its record
+if RANK == 1:  # stopped inside decide, in its probe (before its record); late on resume
+    answered, probed = rank_lib.late_probe(dev)
 dist.barrier()
 outcome, secs, err = rank_lib.create(rank=RANK)
-if RANK == 0:  # resumed once rank 0 has returned: past rank 1's deadline too
+if RANK == 0:  # resumed once rank 0 has returned (its abort written)
     result["stopped"] = rank_lib.wait_stopped(peer_pid(1))
     os.kill(peer_pid(1), signal.SIGCONT)
+else:
+    answered.set()
+    result["probed"] = probed.wait(60)
 result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
 """,
-        "both None; rank 0 within the bound; rank 1 aborts on resume (its deadline passed)",
+        "both None; rank 0 within the bound; rank 1, its probe stopped past its deadline, "
+        "aborts on resume naming the late step (STEP_TIMEOUT)",
         lambda runs: (all_or_none(runs, [0]), all_or_none(runs, [1], timeouts=2),
                       _expect(_res(runs, 0)["stopped"] is True, runs),
+                      _expect(_res(runs, 1)["probed"] is True, runs),
                       _expect([_res(runs, r)["outcome"] for r in (0, 1)] == ["none", "none"], runs)),
-        t=VOTE_TIMEOUT, reasons={0: ["ABSENT"], 1: (["STORE_ERROR"], ["ABSENT"], ["ABORTED"])}),
+        # rank 1's own no is the late probe; rank 0's abort is in before rank 1 is resumed:
+        # rank 1 follows it, or its store operations find its deadline + GRACE_S passed
+        t=VOTE_TIMEOUT, reasons={0: ["ABSENT"], 1: (["ABORTED", "STEP_TIMEOUT"],
+                                                    ["STEP_TIMEOUT", "STORE_ERROR"])}),
     Scenario(
         "store host (rank 0) stopped during the vote", 2,
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
 host = peer_pid(0)  # read before the store stops answering
-if RANK == 0:  # stops itself inside its probe (on the worker that runs its steps, before its
-    # record) once rank 1 waits in the vote; resumed, the probe goes on only once this call
-    # has answered: the step is still running at the deadline whichever thread runs first
-    answered, probed, probe = threading.Event(), threading.Event(), dev.probe
-    rank_lib.at("probe", lambda: (await_mark("published-1"), rank_lib.stop_self(),
-                                  answered.wait(60)))
-    def probe_then_tell(*a, **k):
-        try:
-            return probe(*a, **k)
-        finally:
-            probed.set()
-    dev.probe = probe_then_tell
+if RANK == 0:  # stops itself inside its probe (before its record) once rank 1 waits in the
+    # vote; late on resume
+    answered, probed = rank_lib.late_probe(dev, before=lambda: await_mark("published-1"))
 else:  # waits in the vote only once the store is stopped: no operation of its own after
     # publishing can be answered before it has returned
     rank_lib.at("round.published", lambda: (mark("published-1"), rank_lib.wait_stopped(host)))
