@@ -205,6 +205,36 @@ def once(action):
     return first
 
 
+def late_probe(dev, before=None):
+    """Make this rank's probe late, whatever the scheduler does: at the ``probe`` fault point
+    (on the worker that runs the decision's steps, before the record) run ``before()``, stop
+    this process (SIGSTOP; a peer resumes it), and once resumed hold the probe until the
+    returned ``answered`` event is set. The call's own thread therefore always reaches its
+    deadline with the probe still running (the bounded runner's STEP_TIMEOUT), instead of
+    racing the resumed probe. Set ``answered`` once the call has returned; the probe then
+    ends in the background and sets the returned ``probed``: wait on it (bounded) before
+    reading the bytes held. ``(answered, probed)``."""
+    import threading
+
+    answered, probed, probe = threading.Event(), threading.Event(), dev.probe
+
+    def hold():
+        if before is not None:
+            before()
+        stop_self()
+        answered.wait(60)
+
+    def probe_then_tell(*args, **kwargs):
+        try:
+            return probe(*args, **kwargs)
+        finally:
+            probed.set()
+
+    at("probe", hold)
+    dev.probe = probe_then_tell
+    return answered, probed
+
+
 def stop_self() -> None:
     """SIGSTOP this whole process (a peer or a helper resumes it with SIGCONT)."""
     import os

@@ -66,7 +66,7 @@ def test_new_group_on_the_same_store_starts_clean():
     out = results(run_ranks(2, F2_BODY, env={"FIWS_T": "3"}, timeout=90))
     for r in out:
         assert r["outcome"] == "created", out
-        assert r["secs"] < faults.BOUND, out
+        assert r["secs"] <= faults.bound(r["t"]), out  # its own vote timeout (3 s), not 2 s
 
 
 LEAK_BODY = faults.COMMON + """
