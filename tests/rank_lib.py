@@ -84,6 +84,18 @@ def host_all_reduce_ok(group=None, timeout=10.0):
     return bool(t.item() == size) or f"all_reduce gave {t.item()} for {size} ranks"
 
 
+_installed: dict = {}  # the settings ``setup`` installed the shim with
+
+
+def relax(vote_timeout: float = 30.0) -> None:
+    """From now on, a vote timeout no rank is meant to wait out (the scenarios' ``LONG_T``):
+    the calls after a phase that waited a short timeout out must be created, also on a
+    loaded machine. Keeps every other setting and the cached vetoes (no ``install()``)."""
+    from flashinfer_safe_workspace import _config
+
+    _config.reload(enabled=True, **{**_installed, "vote_timeout": vote_timeout})
+
+
 def setup(free_mb=None, *, device=None, sim=None, **overrides):
     """Install the shim with a simulated device of ``free_mb`` MiB free; ``sim``: the
     simulated device's keyword facts for this rank (multicast, fabric, host, ...)."""
@@ -99,6 +111,8 @@ def setup(free_mb=None, *, device=None, sim=None, **overrides):
                                  device=0 if device is None else device, **(sim or {}))
     _probe.set_prober(dev)
     fiws.install(**overrides)
+    _installed.clear()
+    _installed.update(overrides)
     import flashinfer.comm.allreduce as ar
 
     ar.TRTLLMAllReduceFusionWorkspace = RecordingWorkspace
