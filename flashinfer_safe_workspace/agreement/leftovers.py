@@ -11,9 +11,11 @@ still there (the last rank out may have removed it meanwhile). Never on a decisi
 at most ``PER_PASS`` rounds per count-out, idempotent.
 
 A rank arriving after the removal finds no register: it publishes, waits its own vote
-timeout and vetoes, the answer it would have had (its peers answered long ago). Rounds of
-a replaced group stay listed: on the same store the next group's line removes them, on
-another store their ``done`` key is not found and they are dropped.
+timeout and vetoes, the answer it would have had (its peers answered long ago). Each round
+is listed with its default group's generation (``store.epoch``) and only removed in that
+generation: a new group numbers its rounds from 0 again, so the same key names may be a
+live round of the new group (its store is most often another one anyway). Rounds of a
+replaced group are dropped unlooked-at.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ PER_PASS = 8  # rounds looked at per count-out (the store line's queue stays sho
 LIMIT = 4096  # rounds remembered at most; beyond, the oldest are forgotten (their keys stay)
 
 _lock = threading.Lock()
-_rounds: collections.deque = collections.deque()  # (not before (monotonic), done key, keys)
+# (not before (monotonic), the default group's generation, done key, keys)
+_rounds: collections.deque = collections.deque()
 
 
-def remember(done_key: str, keys: list, not_before: float) -> None:
-    """A round this rank left before every rank had counted out."""
+def remember(done_key: str, keys: list, not_before: float, epoch: int) -> None:
+    """A round this rank left before every rank had counted out (``epoch``: the default
+    group's generation the round ran in)."""
     with _lock:
         if len(_rounds) >= LIMIT:
             _rounds.popleft()
-        _rounds.append((not_before, done_key, tuple(keys)))
+        _rounds.append((not_before, epoch, done_key, tuple(keys)))
 
 
 def pending() -> int:
@@ -51,11 +55,14 @@ def _due(now: float) -> list:
     return due
 
 
-def reap(s) -> int:
-    """Remove the keys of the remembered rounds that are due, on store ``s`` (called on the
-    store line, after a count-out). Returns how many rounds were still in the store."""
+def reap(s, epoch: int) -> int:
+    """Remove the keys of the remembered rounds that are due, on store ``s`` of the default
+    group of generation ``epoch`` (called on the store line, after a count-out); a round of
+    another generation is dropped. Returns how many rounds were still in the store."""
     removed = 0
-    for _, done_key, keys in _due(time.monotonic()):
+    for _, their_epoch, done_key, keys in _due(time.monotonic()):
+        if their_epoch != epoch:
+            continue  # the same names may be a round of the group now in place
         try:
             if not s.check([done_key]):
                 continue  # the last rank out removed it

@@ -370,7 +370,8 @@ class StoreRound:
         entry = self._entry if (self.published and not self.complete) else None
         board_key = self._board_key(self.rank)
         peers = [] if self.complete else [r for r in self.ranks if r != self.rank]
-        book, not_before = self.book, self.deadline + self.line_timeout + GRACE_S
+        book, epoch = self.book, self.epoch
+        not_before = self.deadline + self.line_timeout + GRACE_S
 
         def wrap_up(s):
             if entry is not None:
@@ -379,14 +380,14 @@ class StoreRound:
                 _board.note_peers_seen(s, book, mkey, peers)
             if s.add(done_key, 1) < size:  # a round some rank may never count out of
                 if peers:
-                    _leftovers.remember(done_key, keys, not_before)
+                    _leftovers.remember(done_key, keys, not_before, epoch)
             else:
                 for key in keys:
                     try:
                         s.delete_key(key)
                     except Exception:  # noqa: BLE001 - cleanup only
                         pass
-            _leftovers.reap(s)  # earlier rounds left behind, long decided
+            _leftovers.reap(s, epoch)  # earlier rounds left behind, long decided
         self.line.submit(wrap_up)
 
     def abort_now(self, why: str) -> None:

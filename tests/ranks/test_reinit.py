@@ -79,11 +79,13 @@ def store_threads():
 calls = 0
 def some_calls(i):
     global calls
+    outs = []
     for k in range(8):  # healthy calls, a new shape each
-        calls += 1; rank_lib.create(rank=RANK, max_token_num=64 + 8 * (i * 8 + k))
+        calls += 1; outs.append(rank_lib.create(rank=RANK, max_token_num=64 + 8 * (i * 8 + k))[0])
     # a veto: rank 0 short for this shape (cached on both), then the same call again
     dev.free_bytes = (rank_lib.need_mb() - 2) * rank_lib.MiB if RANK == 0 else 80 << 30
-    calls += 2; rank_lib.create(rank=RANK); rank_lib.create(rank=RANK)
+    calls += 2; outs += [rank_lib.create(rank=RANK)[0], rank_lib.create(rank=RANK)[0]]
+    seen.append(outs)
     dev.free_bytes = 80 << 30
     # once every rank's queued clean-ups have run (the store line is first in, first out)
     _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
@@ -91,7 +93,7 @@ def some_calls(i):
     n = dist.distributed_c10d._get_default_store().num_keys() if RANK == 0 else -1
     dist.barrier()
     return n
-counts = []
+counts, seen = [], []
 for i in range(int(os.environ.get("FIWS_WORLDS", "50"))):
     if RANK == 0:
         CTL.set(f"port/{i}", str(harness.free_port()))
@@ -103,7 +105,7 @@ for i in range(int(os.environ.get("FIWS_WORLDS", "50"))):
     keys = some_calls(i)
     counts.append((store_threads(), keys))
 dist.barrier()
-result.update(counts=counts, calls=calls, live=dev.live_bytes)
+result.update(counts=counts, calls=calls, live=dev.live_bytes, seen=seen)
 """
 
 
@@ -120,7 +122,9 @@ def test_fifty_reinits_and_five_hundred_calls_hold_the_store_threads():
         threads = [t for t, _ in r["counts"]]
         assert set(threads) == {threads[0]}, r["counts"]
     keys = [k for _, k in out[0]["counts"]]  # each group's own store, after its 10 calls
-    assert set(keys) == {keys[0]}, keys
+    odd = [f"group {i}: {k} keys; rank 0 {out[0]['seen'][i]}; rank 1 {out[1]['seen'][i]}"
+           for i, k in enumerate(keys) if k != keys[0]]
+    assert set(keys) == {keys[0]}, odd
 
 
 REAP_BODY = faults.COMMON + """
