@@ -40,6 +40,12 @@ FACTS = ["exact", "fabric-imex", "fabric-no-imex", "fabric-attr-only", "no-multi
 SHAPES = [(2, 0, 127, 4097, "bfloat16"), (4, 3, 2048, 4097, "float32"),
           (16, 1, 16384, 12288, "float32"), (8, 2, 1, 7168, "float16")]
 CASES = [(e, f, s) for e in ENTRIES for f in FACTS for s in SHAPES]
+# auto with one rank (its own multicast answer decides) and with 17 (trtllm takes at most
+# 16); mnnvl where the one-shot size wins over the two-shot one (t1 < T, odd H)
+CASES += [(e, f, s) for e in ("auto-all-multicast", "auto-peer-without-multicast")
+          for f in ("exact", "no-multicast")
+          for s in ((1, 0, 127, 4097, "bfloat16"), (17, 0, 127, 4097, "bfloat16"))]
+CASES += [(e, "exact", (16, 5, 8, 4097, "bfloat16")) for e in ("mnnvl", "mnnvl-oneshot")]
 
 
 API = {"cuMemCreate": "C", "cuMemAlloc": "A", "cudaMalloc": "M", "torch": "T"}

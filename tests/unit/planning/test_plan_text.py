@@ -157,6 +157,29 @@ DESCRIBE = [  # (version, call, facts) -> the plan's world size, dtype and descr
      '  mnnvl.uc_ptrs                 0.000 MiB  cuMemAlloc  8*ws\n'
      '  mnnvl.buffer_flags            0.000 MiB  torch       uint32[9]\n'
      '  peak held                    96.025 MiB'),
+    ("0.6.6", U("trtllm", 4, 2, 1, 16), R(EX, device_count=2), 4, 'bfloat16',
+     'FlashInfer 0.6.6 (R1), unified entry, backend trtllm, allocator B1, handle posix, device 2\n'
+     '  trtllm.buffer                 2.002 MiB  cuMemCreate RU(RU(RU(ws*T*H*2, 2MiB) + 2048, G=1), Gmc=1)\n'
+     '  trtllm.buffer.uc_ptrs         0.000 MiB  cuMemAlloc  8*ws\n'
+     '  trtllm.flag                   2.002 MiB  cuMemCreate RU(RU(RU(ws*256*4, 2MiB) + 2048, G=1), Gmc=1)\n'
+     '  trtllm.flag.uc_ptrs           0.000 MiB  cuMemAlloc  8*ws\n'
+     '  trtllm.lamport                2.002 MiB  cuMemCreate RU(RU(RU(3*min(ws*T*H*2, MAX_COMM_SIZE), 2MiB) + 2048, G=1), Gmc=1)\n'
+     '  trtllm.lamport.uc_ptrs        0.000 MiB  cuMemAlloc  8*ws\n'
+     '  control_flag                  0.000 MiB  cudaMalloc  5*int32\n'
+     '  workspace_table               0.000 MiB  torch       int64[3*ws+1]\n'
+     '  peak held                     6.006 MiB\n'
+     '  note: allocates on cuda:2 (tp_rank) but this process sees 2 device(s): cuDeviceGet fails on this rank'),
+    ("0.7.4", U("trtllm", 2, 0, 1023, 524288), EX, 2, 'bfloat16',
+     'FlashInfer 0.7.4 (R10), unified entry, backend trtllm, allocator B4, handle posix, device current\n'
+     '  trtllm.buffer              2046.002 MiB  cuMemCreate RU(RU(ws*T*H*2, 16) + 2048, G=1)\n'
+     '  trtllm.buffer.uc_ptrs         0.000 MiB  cuMemAlloc  8*ws\n'
+     '  trtllm.flag                   0.004 MiB  cuMemCreate RU(RU(ws*256*4, 16) + 2048, G=1)\n'
+     '  trtllm.flag.uc_ptrs           0.000 MiB  cuMemAlloc  8*ws\n'
+     '  trtllm.lamport             6138.002 MiB  cuMemCreate RU(RU(3*min(ws*T*H*2, MAX_COMM_SIZE), 16) + 2048, G=1)\n'
+     '  trtllm.lamport.uc_ptrs        0.000 MiB  cuMemAlloc  8*ws\n'
+     '  control_flag                  0.000 MiB  cudaMalloc  5*int32\n'
+     '  workspace_table               0.000 MiB  torch       int64[3*ws+1]\n'
+     '  peak held                  8184.008 MiB'),
 ]
 
 REASONS = [  # (version, call, facts) -> what the plan says: PassThrough or Unplanned
@@ -188,6 +211,10 @@ REASONS = [  # (version, call, facts) -> what the plan says: PassThrough or Unpl
      PassThrough('max_token_num=0; FlashInfer decides')),
     ("0.7.4", U("mnnvl-cutedsl", ws="8"), F,
      PassThrough("world_size='8' is not an int; FlashInfer decides")),
+    ("0.7.4", U("mnnvl-cutedsl", ws=8, t=0), F,
+     PassThrough('max_token_num=0; FlashInfer decides')),
+    ("0.7.4", U("mnnvl-cutedsl", ws=8, h=0), F,
+     PassThrough('hidden_dim=0; FlashInfer decides')),
     ("0.7.4", U("auto", ws=32), R(F, multicast_supported=False, multicast_all_ranks=False),
      PassThrough('no suitable backend (FlashInfer ValueError)')),
     ("0.7.4", U("mnnvl"), R(F, confidential_compute=True),
@@ -232,3 +259,16 @@ def test_the_reason_of_each_pass_through(version, req, facts, expected):
         assert str(err.value) == str(expected)
     else:
         assert plan_for(req, facts, version) == expected
+
+
+def test_an_mnnvl_buffer_of_exactly_uint32_max_is_planned():
+    """FlashInfer raises ValueError for an mnnvl buffer *larger* than UINT32_MAX
+    (``buffer_size_in_bytes > (2**32 - 1)``, trtllm_mnnvl_ar.py of 0.6.x, read at the
+    release's source): one of exactly 2**32 - 1 bytes is created. Reachable with 1-byte
+    elements, before 0.6.18's 32-byte rounding."""
+    h = (2**32 - 1) // 3
+    exact = U("mnnvl", 3, 0, 1, h, "int8", force_oneshot_support=True)
+    plan = plan_for(exact, EX, "0.6.17")
+    assert plan.allocations[0].bytes == 3 * (2**32 - 1) + 2048
+    assert plan_for(R(exact, hidden_dim=h + 1), EX, "0.6.17") == PassThrough(
+        "mnnvl buffer larger than UINT32_MAX; FlashInfer raises ValueError")

@@ -1,7 +1,8 @@
 """The plan of every release range against what FlashInfer's own code allocated.
 
 ``release_table.txt`` holds, for one release per range R0–R10 and a fixed table of calls
-(12 entry points × 5 device-fact variants × 4 shapes), what FlashInfer's real creation
+(12 entry points × 5 device-fact variants × 4 shapes, and a few more for auto's choice and
+mnnvl's one-shot size: ``CASES`` of tests/tools/release_table.py), what FlashInfer's real creation
 code did under the conformance stand-ins (tests/conformance): raised before allocating,
 failed at the FABRIC export after its first cuMemCreate, or the allocations it asked for
 in order (API, bytes, handle type, held or released) and the device of its cuMemCreates.
@@ -130,7 +131,8 @@ def test_the_table_covers_every_range():
     from flashinfer_safe_workspace.planning import rules
 
     assert sorted(rules.range_of(v) for v in ROWS) == sorted(f"R{i}" for i in range(11))
-    assert all(len(cases) == len(ENTRIES) * len(FACTS) * 4 for cases in ROWS.values())
+    counts = {len(cases) for cases in ROWS.values()}
+    assert len(counts) == 1 and counts.pop() >= len(ENTRIES) * len(FACTS) * 4
 
 
 @pytest.mark.parametrize("version", list(ROWS))
