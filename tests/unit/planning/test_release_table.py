@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flashinfer_safe_workspace.planning.plan import MiB, Facts, PassThrough, Request
+from flashinfer_safe_workspace.planning.plan import MiB, Facts, PassThrough, Request, Unplanned
 from flashinfer_safe_workspace.planning.rules import plan_for
 
 TABLE = Path(__file__).with_name("release_table.txt")
@@ -53,17 +53,22 @@ ENTRIES = {  # tests/conformance/runner.py ENTRIES: (entry, backend, options)
 }
 
 
-def _rows() -> dict:
+CUTEDSL = "mnnvl-cutedsl-accepted"  # rows named by the conformance grid's label
+
+
+def _rows(cutedsl: bool) -> dict:
     rows: dict = {}
     for line in TABLE.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         version, case, what = (part.strip() for part in line.split("|"))
-        rows.setdefault(version, []).append((case, what))
+        if case.startswith(CUTEDSL) is cutedsl:
+            rows.setdefault(version, []).append((case, what))
     return rows
 
 
-ROWS = _rows()
+ROWS = _rows(cutedsl=False)
+CUTEDSL_ROWS = _rows(cutedsl=True)
 
 
 def _call(case: str, comm: bool):
@@ -100,10 +105,16 @@ def _keys(plan) -> str:
                     for a in plan.allocations)
 
 
-def _differs(version: str, case: str, what: str):
+def _differs(version: str, case: str, what: str, call=None):
     """None when the plan says what FlashInfer did, else a line saying how it differs."""
     comm, status, *rest = what.split(" ", 2)
-    req, facts = _call(case, comm == "comm=1")
+    req, facts = call if call is not None else _call(case, comm == "comm=1")
+    if status == "unplanned":
+        try:
+            plan = plan_for(req, facts, version)
+        except Unplanned:
+            return None
+        return f"planned {plan}; the rules had no plan for it"
     plan = plan_for(req, facts, version)
     if status == "raise":
         return None if isinstance(plan, PassThrough) else f"planned {_keys(plan)}; FlashInfer raised"
@@ -140,4 +151,47 @@ def test_the_plan_is_what_flashinfer_allocated(version):
     bad = [(case, why) for case, what in ROWS[version]
            if (why := _differs(version, case, what)) is not None]
     assert not bad, f"{len(bad)} of {len(ROWS[version])} calls differ, e.g.\n" + "\n".join(
+        f"  {case}: {why}" for case, why in bad[:6])
+
+
+@pytest.fixture(scope="module")
+def cutedsl_grid():
+    """The conformance grid's mnnvl-cutedsl cases by label (they hold FlashInfer's own
+    config objects, so they are made from the installed FlashInfer's tables)."""
+    pytest.importorskip("flashinfer.comm.mnnvl_cutedsl")
+    from conformance import runner
+
+    return {spec.label(): spec for spec in runner.cutedsl_grid()}
+
+
+def _cutedsl_call(spec):
+    """The request and facts of one grid case, as the conformance runner builds them
+    (runner.call_flashinfer, runner._case_and_facts), with torch's pad fixed at PAD."""
+    from conformance import runner
+
+    raw = dict(runner.FACTS[spec.facts_name])
+    facts = Facts(granularity=raw.get("granularity", 2 * MiB),
+                  multicast_granularity=raw.get("multicast_granularity", 512 * MiB),
+                  multicast_all_ranks=True, current_device=0, device_count=8,
+                  torch_signal_pad=PAD, compute_capability=tuple(spec.cc))
+    req = Request("unified", "mnnvl-cutedsl", spec.world_size, spec.rank, spec.tokens,
+                  spec.hidden, spec.dtype, has_comm_backend=False,
+                  cutedsl_options=tuple(sorted((n, repr(v)) for n, v in spec.options)),
+                  cutedsl_values=tuple(sorted(spec.options, key=lambda item: item[0])))
+    return req, facts
+
+
+@pytest.mark.parametrize("version", list(CUTEDSL_ROWS))
+def test_mnnvl_cutedsl_plans_are_what_flashinfer_allocated(version, cutedsl_grid):
+    """0.7.4 plans allocator D for every shape FlashInfer's profile tables accept (its
+    Blackwell path under the stand-ins); 0.7.2.post1, whose tables are another draft,
+    has no plan for them (the shim vetoes)."""
+    rows = CUTEDSL_ROWS[version]
+    missing = [case for case, _ in rows if case not in cutedsl_grid]
+    if missing:
+        pytest.skip(f"the installed FlashInfer's grid lacks {len(missing)} of these cases")
+    bad = [(case, why) for case, what in rows
+           if (why := _differs(version, case, what, _cutedsl_call(cutedsl_grid[case])))
+           is not None]
+    assert not bad, f"{len(bad)} of {len(rows)} calls differ, e.g.\n" + "\n".join(
         f"  {case}: {why}" for case, why in bad[:6])
