@@ -220,3 +220,36 @@ def test_a_complete_round_notes_no_peer_and_leaves_nothing_to_remember(hashstore
             assert Board.from_json(hashstore.get(r0._board_key(r))).state != "done"
     finally:
         leftovers._forget_all()
+
+
+def _decided(store, rnd, c, reg):
+    """Write ``reg`` as the register of round ``c`` of ``rnd``'s call (before it opens)."""
+    rnd.c = c
+    store.set(rnd._k("reg"), reg.to_json())
+    rnd.c = None
+
+
+@pytest.mark.parametrize("stale", [1, 2])
+def test_stale_commits_are_skipped_to_the_first_undecided_round(hashstore, stale):
+    """A commit this rank did not publish in is never followed: the rank moves on to the
+    next round, as many times as there are such commits."""
+    r1 = rank(hashstore, 1, bound=0.3)
+    for c in range(stale):
+        _decided(hashstore, r1, c, Register(COMMIT, 0, "every rank voted yes"))
+    assert r1.open() is None
+    out = r1.vote(record(1))
+    assert r1.c == stale and out.key == r1._k()
+    assert not out.followed and out.register.outcome == ABORT and out.absent == (0,)
+
+
+@pytest.mark.parametrize("why,missing", [
+    ("rank 0 said no: x", "decided before this rank arrived: rank 0 said no: x"),
+    ("", "decided before this rank arrived: abort"),
+])
+def test_an_abort_decided_before_arrival_is_followed(hashstore, why, missing):
+    r1 = rank(hashstore, 1)
+    _decided(hashstore, r1, 0, Register(ABORT, 0, why))
+    assert r1.open() is None
+    out = r1.vote(record(1))
+    assert out.commit is False and out.followed and out.key == r1._k() and r1.c == 0
+    assert out.register == Register(ABORT, 0, why) and out.missing == missing
