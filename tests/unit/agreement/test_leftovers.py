@@ -94,3 +94,47 @@ def test_a_round_of_a_replaced_group_is_dropped_not_removed(store):
     assert leftovers.reap(store, 1) == 0
     assert all(store.check([k]) for k in keys)
     assert leftovers.pending() == 0
+
+
+def test_a_removed_round_does_not_stop_the_pass(store):
+    """The first due round was removed by its last rank; the pass still removes the next."""
+    gone, gone_keys = _round(store, "f")
+    store.delete_key(gone)
+    done, keys = _round(store, "g")
+    leftovers.remember(gone, gone_keys, time.monotonic() - 1, 0)
+    leftovers.remember(done, keys, time.monotonic() - 1, 0)
+    assert leftovers.reap(store, 0) == 1
+    assert not any(store.check([k]) for k in keys)
+    assert leftovers.pending() == 0
+
+
+def test_a_round_is_due_at_its_not_before_time(store, monkeypatch):
+    done, keys = _round(store, "h")
+    leftovers.remember(done, keys, 1000.0, 0)
+    monkeypatch.setattr(leftovers, "time", type("Clock", (), {"monotonic": staticmethod(lambda: 1000.0)}))
+    assert leftovers.reap(store, 0) == 1
+    assert not store.check([done])
+
+
+def test_a_store_error_on_one_round_does_not_stop_the_pass(store):
+    """One round's ``check`` raises (dropped); the next round of the same pass is removed."""
+    class FailsOnce:
+        def __init__(self, s):
+            self.s, self.failed = s, False
+
+        def check(self, keys):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("store timeout")
+            return self.s.check(keys)
+
+        def delete_key(self, key):
+            return self.s.delete_key(key)
+
+    first, first_keys = _round(store, "i")
+    done, keys = _round(store, "j")
+    leftovers.remember(first, first_keys, time.monotonic() - 1, 0)
+    leftovers.remember(done, keys, time.monotonic() - 1, 0)
+    assert leftovers.reap(FailsOnce(store), 0) == 1
+    assert store.check([first]) and not any(store.check([k]) for k in keys)
+    assert leftovers.pending() == 0

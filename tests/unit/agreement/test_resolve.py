@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from flashinfer_safe_workspace import _decide  # noqa: F401 - registers checks.compare (vote.use_comparison)
 from flashinfer_safe_workspace import _reasons as R
 from flashinfer_safe_workspace.agreement import vote
 from flashinfer_safe_workspace.agreement.record import NO, PASS, PASS_STATE, YES, Candidate
@@ -164,3 +165,39 @@ def test_a_local_round_times_its_vote(monkeypatch):
     ticks = iter([10.0, 12.5])
     monkeypatch.setattr(vote, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(ticks))}))
     assert vote.LocalRound().vote(record(0)).elapsed_s == 2.5
+
+
+# ---------------------------------------------------------------- the handed-in comparison
+@pytest.mark.internal_errors("vote.compare")
+def test_no_comparison_handed_in_fails_closed_as_an_internal_error(monkeypatch, _strict):
+    monkeypatch.setattr(vote, "_comparison", None)
+    assert resolve([record(0), record(1)]) == Verdict(
+        False, f"internal error: {vote.NO_COMPARISON}", internal=True)
+    assert _strict == [("vote.compare", f"RuntimeError: {vote.NO_COMPARISON}")]
+
+
+@pytest.mark.internal_errors("vote.compare")
+def test_a_comparison_that_raises_fails_closed_as_an_internal_error(monkeypatch, _strict):
+    def broken(records):
+        raise ValueError("bug")
+
+    monkeypatch.setattr(vote, "_comparison", broken)
+    assert resolve([record(0), record(1)]) == Verdict(
+        False, "internal error: the cross-rank comparison failed", internal=True)
+    assert _strict == [("vote.compare", "ValueError: bug")]
+
+
+def test_use_comparison_takes_a_callable_only(monkeypatch):
+    monkeypatch.setattr(vote, "_comparison", vote._comparison)  # restored after the test
+    seen = []
+
+    def compare(records):
+        seen.append(len(records))
+        return []
+
+    vote.use_comparison(compare)
+    assert vote._comparison is compare
+    assert resolve([record(0), record(1)]).commit and seen == [2]
+    with pytest.raises(TypeError, match=r"^use_comparison needs a callable, not int$"):
+        vote.use_comparison(3)
+    assert vote._comparison is compare

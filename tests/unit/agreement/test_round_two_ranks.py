@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from flashinfer_safe_workspace import _decide  # noqa: F401 - registers checks.compare (vote.use_comparison)
 from flashinfer_safe_workspace import _reasons as R
 from flashinfer_safe_workspace.agreement import board as _board, round as _round, store as _store
 from flashinfer_safe_workspace.agreement.record import ABORT, COMMIT, NO, PASS, PASS_STATE, Register
@@ -166,3 +167,89 @@ def test_a_rank_without_a_waiting_line_acknowledges_step_by_step(hashstore):
     b = out["b"]
     assert a.commit and b.commit and a.register == b.register
     assert (b.register.outcome, b.register.by) == (COMMIT, 1)
+
+
+def test_a_round_left_incomplete_is_counted_out_and_remembered(hashstore):
+    """Rank 0 alone (rank 1 never comes): its wrap-up marks its board entry done, notes the
+    peer's board generation as seen, counts itself out (1 of 2), remembers the round's keys
+    for a later removal (its deadline + one vote timeout + the grace) and removes an
+    earlier round already due."""
+    from flashinfer_safe_workspace.agreement import leftovers
+    from flashinfer_safe_workspace.agreement.record import Board
+    from flashinfer_safe_workspace.agreement.vote import GRACE_S
+
+    leftovers._forget_all()
+    try:
+        old = ["fiws/old/0/rec/0", "fiws/old/0/done"]
+        for key in old:
+            hashstore.set(key, "x")
+        r0 = rank(hashstore, 0, bound=0.3)
+        leftovers.remember(old[-1], old, time.monotonic() - 1, r0.epoch)  # due now
+        r0.book.world = 0  # this default group's generation on the store (board.world_of)
+        hashstore.set(r0._board_key(1), Board(7, "other/0", "wait", world=0).to_json())
+        (a,) = together((r0, record(0)))
+        assert not a.commit and a.absent == (1,)
+        wait_finished(r0)
+        mine = Board.from_json(hashstore.get(r0._board_key(0)))
+        assert (mine.state, mine.round) == ("done", r0.round_name)
+        assert r0.book.seen(r0.mkey) == {1: 7}
+        assert hashstore.get(r0._k("done")) == b"1"
+        keys = tuple(r0._rec_keys() + [r0._k(k) for k in ("reg", "arrived", "ready", "acks", "done")])
+        assert list(leftovers._rounds) == [
+            (r0.deadline + r0.line_timeout + GRACE_S, r0.epoch, r0._k("done"), keys)]
+        assert not any(hashstore.check([k]) for k in old)  # the due round was removed
+        assert hashstore.check([r0._k("reg")])  # this round's keys stay until due
+    finally:
+        leftovers._forget_all()
+
+
+def test_a_complete_round_notes_no_peer_and_leaves_nothing_to_remember(hashstore):
+    from flashinfer_safe_workspace.agreement import leftovers
+    from flashinfer_safe_workspace.agreement.record import Board
+
+    leftovers._forget_all()
+    try:
+        r0, r1 = rank(hashstore, 0), rank(hashstore, 1)
+        a, b = together((r0, record(0)), (r1, record(1)))
+        assert a.commit and b.commit
+        for r in (r0, r1):
+            wait_finished(r)
+        assert leftovers.pending() == 0
+        assert r0.book.seen(r0.mkey) == {} and r1.book.seen(r1.mkey) == {}
+        for r in (0, 1):  # a completed round leaves the board entries as they were
+            assert Board.from_json(hashstore.get(r0._board_key(r))).state != "done"
+    finally:
+        leftovers._forget_all()
+
+
+def _decided(store, rnd, c, reg):
+    """Write ``reg`` as the register of round ``c`` of ``rnd``'s call (before it opens)."""
+    rnd.c = c
+    store.set(rnd._k("reg"), reg.to_json())
+    rnd.c = None
+
+
+@pytest.mark.parametrize("stale", [1, 2])
+def test_stale_commits_are_skipped_to_the_first_undecided_round(hashstore, stale):
+    """A commit this rank did not publish in is never followed: the rank moves on to the
+    next round, as many times as there are such commits."""
+    r1 = rank(hashstore, 1, bound=0.3)
+    for c in range(stale):
+        _decided(hashstore, r1, c, Register(COMMIT, 0, "every rank voted yes"))
+    assert r1.open() is None
+    out = r1.vote(record(1))
+    assert r1.c == stale and out.key == r1._k()
+    assert not out.followed and out.register.outcome == ABORT and out.absent == (0,)
+
+
+@pytest.mark.parametrize("why,missing", [
+    ("rank 0 said no: x", "decided before this rank arrived: rank 0 said no: x"),
+    ("", "decided before this rank arrived: abort"),
+])
+def test_an_abort_decided_before_arrival_is_followed(hashstore, why, missing):
+    r1 = rank(hashstore, 1)
+    _decided(hashstore, r1, 0, Register(ABORT, 0, why))
+    assert r1.open() is None
+    out = r1.vote(record(1))
+    assert out.commit is False and out.followed and out.key == r1._k() and r1.c == 0
+    assert out.register == Register(ABORT, 0, why) and out.missing == missing

@@ -113,3 +113,12 @@ def test_mode1_rendezvous_rank_differs(world_of_one):
 def test_mode1_rendezvous_needs_an_initialised_group():
     c = ctx("trtllm", "0.6.10", world=2, rank=0, size=2)
     assert outcome(c) == (R.OK, "ranks=2")
+
+
+def test_mode1_no_process_group_has_nothing_to_mismatch():
+    """``group_mismatch`` on its own: without a process group there is no rank set to hold
+    the call's ``world_size``/``rank`` against, whatever they say."""
+    c = no_group(world=3, rank=5)
+    assert group.group_mismatch(c.req, c.members) == ""
+    c = ctx("trtllm", "0.7.4", world=3, rank=0, size=2)
+    assert group.group_mismatch(c.req, c.members).startswith("world_size=3 but")

@@ -230,3 +230,15 @@ def test_a_long_pass_through_reason_is_cut_in_the_note_only(monkeypatch):
     monkeypatch.setattr(_request, "plan_for", lambda req, facts, version: PassThrough("r" * 400))
     c = memory.candidates(REQ, "0.7.4", Facts(), settings(), 0, auto=False)[0]["-"]
     assert (c.state, len(c.note), c.plan_digest) == (PASS_STATE, 300, "r" * 400)
+
+
+def test_the_probe_fault_point_is_hit_just_before_the_probe(monkeypatch):
+    """``_points``' ``probe`` point (fault scenarios stop or fail a rank there)."""
+    from flashinfer_safe_workspace import _points
+
+    dev = device()
+    seen = []
+    monkeypatch.setattr(_points, "_hook", None)  # restored after the test
+    _points.install(lambda name: seen.append((name, dev.probes)))
+    memory.candidates(REQ, "0.7.4", Facts(), settings(), 0, auto=False)
+    assert seen == [("probe", 0)] and dev.probes == 1
