@@ -1,21 +1,26 @@
-"""Rounds that some rank never counted out of: their keys, removed off every rank's path.
+"""Rounds that some rank never counted out of: their keys, removed later.
 
 The last rank to count out of a round (``add done``) removes its N + 5 keys. A rank that
-never joins (its host made another call there, it died, or its group was replaced) leaves
-them behind, one round's worth per such call. A rank that counts out of a round that did
-not complete, and is not the last one out, remembers it here; once the round is long
-decided (its deadline on this rank plus one vote timeout and the grace: every peer still in
-it has written or followed the register by then) the next count-out on this process's store
-line removes it: one ``check`` of its ``done`` key, and its keys' deletes only where it is
-still there (the last rank out may have removed it meanwhile). Never on a decision's path,
-at most ``PER_PASS`` rounds per count-out, idempotent.
+never joins (its host made another call there, it died before publishing, or its group was
+replaced) leaves them behind, one round's worth per such call. A rank that counts out of a
+round that did not complete, and is not the last one out, remembers it here; once the round
+is long decided (its deadline on this rank plus one vote timeout and the grace) a later
+count-out on this process's store line looks at it:
 
-A rank arriving after the removal finds no register: it publishes, waits its own vote
-timeout and vetoes, the answer it would have had (its peers answered long ago). Each round
-is listed with its default group's generation (``store.epoch``) and only removed in that
-generation: a new group numbers its rounds from 0 again, so the same key names may be a
-live round of the new group (its store is most often another one anyway). Rounds of a
-replaced group are dropped unlooked-at.
+* its ``done`` key gone: the last rank out removed it;
+* every rank's record there: every rank is in the round and counts itself out (a rank that
+  was paused after publishing too, however late): it is left to them, never taken from
+  under a rank that may still read or write its register;
+* else its keys are deleted, the register last: a rank that finds no register finds none of
+  the round's other keys either. Such a rank (it arrives after the removal) publishes into a
+  fresh round, waits and vetoes within its own vote timeout, as it would have (its peers
+  answered long ago; its message may then name the peers' later calls).
+
+At most one round per count-out (its N + 6 store operations queue on the store line ahead
+of this rank's next hand-off), idempotent. Each round keeps its default group's generation
+(``store.epoch``) and is only looked at in that generation, on its line: a new group
+numbers its rounds from 0 again, so the same key names may be a live round of the new
+group. Rounds of a replaced group are dropped unlooked-at.
 """
 
 from __future__ import annotations
@@ -25,21 +30,24 @@ import os
 import threading
 import time
 
-PER_PASS = 8  # rounds looked at per count-out (the store line's queue stays short)
+PER_PASS = 1  # rounds looked at per count-out (the store line's queue stays short)
 LIMIT = 4096  # rounds remembered at most; beyond, the oldest are forgotten (their keys stay)
 
 _lock = threading.Lock()
-# (not before (monotonic), the default group's generation, done key, keys)
+# (not before (monotonic), the default group's generation, record keys, register key,
+# the other keys, ``done`` last)
 _rounds: collections.deque = collections.deque()
 
 
-def remember(done_key: str, keys: list, not_before: float, epoch: int) -> None:
-    """A round this rank left before every rank had counted out (``epoch``: the default
-    group's generation the round ran in)."""
+def remember(records: list, register: str, others: list, not_before: float,
+             epoch: int) -> None:
+    """A round this rank left before every rank had counted out: its record keys, its
+    register key and its other keys (``done`` last); ``epoch``: the default group's
+    generation the round ran in."""
     with _lock:
         if len(_rounds) >= LIMIT:
             _rounds.popleft()
-        _rounds.append((not_before, epoch, done_key, tuple(keys)))
+        _rounds.append((not_before, epoch, tuple(records), register, tuple(others)))
 
 
 def pending() -> int:
@@ -47,28 +55,33 @@ def pending() -> int:
         return len(_rounds)
 
 
-def _due(now: float) -> list:
+def _due(now: float, epoch: int) -> list:
+    """Up to PER_PASS due rounds of generation ``epoch``; rounds of an earlier one are
+    dropped on the way (their group was replaced)."""
     due = []
     with _lock:
         while _rounds and len(due) < PER_PASS and _rounds[0][0] <= now:
-            due.append(_rounds.popleft())
+            entry = _rounds.popleft()
+            if entry[1] == epoch:
+                due.append(entry)
     return due
 
 
-def reap(s, epoch: int) -> int:
-    """Remove the keys of the remembered rounds that are due, on store ``s`` of the default
-    group of generation ``epoch`` (called on the store line, after a count-out); a round of
-    another generation is dropped. Returns how many rounds were still in the store."""
+def reap(s, epoch: int, current: int) -> int:
+    """Remove the remembered rounds that are due (see the module's text), on store ``s`` of
+    the default group of generation ``epoch`` (called on the store line, after a count-out
+    of that group); nothing while another group is current (``current``: the generation in
+    place now). Returns how many rounds were removed."""
+    if epoch != current:
+        return 0  # a count-out of a replaced group, late on its line: not its store now
     removed = 0
-    for _, their_epoch, done_key, keys in _due(time.monotonic()):
-        if their_epoch != epoch:
-            continue  # the same names may be a round of the group now in place
+    for _, _, records, register, others in _due(time.monotonic(), epoch):
         try:
-            if not s.check([done_key]):
-                continue  # the last rank out removed it
-            removed += 1
-            for key in keys:
+            if not s.check([others[-1]]) or s.check(list(records)):
+                continue  # removed by the last rank out; or every rank is in it
+            for key in (*records, *others, register):  # the register last
                 s.delete_key(key)
+            removed += 1
         except Exception:  # noqa: BLE001 - cleanup only: a store that does not answer keeps them
             continue
     return removed

@@ -380,14 +380,15 @@ class StoreRound:
                 _board.note_peers_seen(s, book, mkey, peers)
             if s.add(done_key, 1) < size:  # a round some rank may never count out of
                 if peers:
-                    _leftovers.remember(done_key, keys, not_before, epoch)
+                    _leftovers.remember(keys[:size], keys[size], keys[size + 1:], not_before,
+                                        epoch)
             else:
                 for key in keys:
                     try:
                         s.delete_key(key)
                     except Exception:  # noqa: BLE001 - cleanup only
                         pass
-            _leftovers.reap(s, epoch)  # earlier rounds left behind, long decided
+            _leftovers.reap(s, epoch, _store.epoch())  # an earlier round left behind
         self.line.submit(wrap_up)
 
     def abort_now(self, why: str) -> None:

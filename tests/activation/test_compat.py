@@ -9,8 +9,10 @@ a failed download skips with the reason. Every subprocess is bounded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,14 +29,19 @@ PKG = Path(flashinfer_safe_workspace.__file__).resolve().parent
 
 def package_only_dir() -> Path:
     """A directory holding only this package (a symlink): on ``PYTHONPATH`` under ``-S`` it
-    brings the package without the rest of its site-packages (cuda-python 13 among it)."""
-    root = _cache() / "package-only"
+    brings the package without the rest of its site-packages (cuda-python 13 among it).
+    One directory per installed copy (named by its path's digest), and the link made under
+    a temporary name and renamed into place: suites running side by side (and the suite's
+    own workers) never re-point each other's link."""
+    root = _cache() / "package-only" / hashlib.sha256(str(PKG).encode()).hexdigest()[:16]
     root.mkdir(parents=True, exist_ok=True)
     link = root / PKG.name
     if not (link.is_symlink() and link.resolve() == PKG):
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(PKG, target_is_directory=True)
+        tmp = root / f".{PKG.name}.{os.getpid()}"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(PKG, target_is_directory=True)
+        os.replace(tmp, link)
     return root
 
 
@@ -45,10 +52,13 @@ def _cache() -> Path:
 
 def pip_target(spec: str) -> Path:
     """A directory holding ``spec`` (``name==version``) installed with --no-deps."""
-    target = _cache() / spec.replace("==", "-")
+    final = _cache() / spec.replace("==", "-")
+    if (final / ".fiws-complete").exists():
+        return final
+    # installed beside, then renamed into place: suites side by side never share a half-made one
+    target = final.with_name(f"{final.name}.{os.getpid()}")
+    shutil.rmtree(target, ignore_errors=True)
     marker = target / ".fiws-complete"
-    if marker.exists():
-        return target
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
            "--upgrade", "--target", str(target), spec]
     try:
@@ -58,7 +68,11 @@ def pip_target(spec: str) -> Path:
     if proc.returncode != 0:
         pytest.skip(f"pip install {spec} failed: {(proc.stderr or proc.stdout)[-300:]}")
     marker.write_text(spec)
-    return target
+    try:
+        os.rename(target, final)
+    except OSError:  # another suite put its copy in place first: use that one
+        shutil.rmtree(target, ignore_errors=True)
+    return final
 
 
 def _env(pythonpath=(), **extra):

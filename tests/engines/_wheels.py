@@ -155,9 +155,16 @@ def fetch(dist: str, version: str, members) -> Path:
         (tmp / "SOURCE.json").write_text(json.dumps(
             {"dist": dist, "version": version, "url": url, "members": members,
              "fetched_bytes": fetched, "how": how}, indent=1))
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
+        try:  # another suite (or worker) may have put its copy in place meanwhile: keep
+            tmp.rename(dest)  # that one where it holds every member asked for
+        except OSError:
+            done = dest / "SOURCE.json"
+            have = json.loads(done.read_text()).get("members", []) if done.exists() else []
+            if set(members) <= set(have):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return dest
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
         return dest
     except Unavailable:
         raise

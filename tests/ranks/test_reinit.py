@@ -144,7 +144,8 @@ if RANK == 1:  # calls rank 0 never makes: rank 1 alone opens their rounds
     skewed = [rank_lib.create(rank=RANK, max_token_num=1000 + k)[0] for k in range(5)]
 left = keys()  # rank 0 waits in keys() meanwhile
 time.sleep(2 * T + 1.5)  # every skewed round is long decided after this (a lower bound only)
-rank_lib.create(rank=RANK, max_token_num=512)  # a later count-out removes what was left
+for k in range(5):  # later count-outs remove what was left (one round each)
+    rank_lib.create(rank=RANK, max_token_num=512 + 8 * k)
 end = keys()
 result.update(base=base, left=left, end=end, skewed=skewed, live=dev.live_bytes)
 """

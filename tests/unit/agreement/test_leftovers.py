@@ -1,5 +1,7 @@
 """Rounds some rank never counted out of (issue 23, F4): remembered by a rank that left
-before the last one, removed by a later count-out once due, against a real ``HashStore``."""
+before the last one, removed by a later count-out once due, against a real ``HashStore``:
+only where some rank's record never came, the register last, one round per pass, only in
+the group generation the round ran in."""
 
 from __future__ import annotations
 
@@ -19,122 +21,152 @@ def store():
     leftovers._forget_all()
 
 
-def _round(store, name, n=3):
-    keys = [f"fiws/0-1/{name}/0/{k}" for k in ("rec/0", "reg", "arrived", "done")][:n] + [
-        f"fiws/0-1/{name}/0/done"]
-    for key in keys:
-        store.set(key, "x")
-    return keys[-1], keys
+class Round:
+    """One 2-rank round's keys in the store: rank 0's record only (rank 1 never came), or
+    both records (``both=True``)."""
+
+    def __init__(self, store, name, both=False):
+        base = f"fiws/0-1/{name}/0/"
+        self.records = [base + "rec/0", base + "rec/1"]
+        self.register = base + "reg"
+        self.others = [base + k for k in ("arrived", "ready", "done")]
+        present = self.records if both else self.records[:1]
+        for key in (*present, self.register, *self.others):
+            store.set(key, "x")
+        self.keys = [*present, self.register, *self.others]
+
+    def remember(self, not_before=None, epoch=0):
+        due = time.monotonic() - 1 if not_before is None else not_before
+        leftovers.remember(self.records, self.register, self.others, due, epoch)
 
 
-def test_a_due_round_still_in_the_store_is_removed(store):
-    done, keys = _round(store, "a")
-    leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(store, 0) == 1
-    assert not any(store.check([k]) for k in keys)
+def _left(store, keys):
+    return [k for k in keys if store.check([k])]
+
+
+def test_a_due_round_a_rank_never_joined_is_removed(store):
+    r = Round(store, "a")
+    r.remember()
+    assert leftovers.reap(store, 0, 0) == 1
+    assert _left(store, r.keys) == []
     assert leftovers.pending() == 0
 
 
 def test_a_round_not_yet_due_stays_until_it_is(store):
-    done, keys = _round(store, "b")
-    leftovers.remember(done, keys, time.monotonic() + 60, 0)
-    assert leftovers.reap(store, 0) == 0
-    assert all(store.check([k]) for k in keys)
+    r = Round(store, "b")
+    r.remember(time.monotonic() + 60)
+    assert leftovers.reap(store, 0, 0) == 0
+    assert _left(store, r.keys) == r.keys
     assert leftovers.pending() == 1
 
 
+def test_a_round_is_due_at_its_not_before_time(store, monkeypatch):
+    r = Round(store, "c")
+    r.remember(1000.0)
+    clock = type("Clock", (), {"monotonic": staticmethod(lambda: 1000.0)})
+    monkeypatch.setattr(leftovers, "time", clock)
+    assert leftovers.reap(store, 0, 0) == 1
+    assert _left(store, r.keys) == []
+
+
+def test_a_round_every_rank_published_in_is_left_to_the_ranks(store):
+    """Every record is there: every rank is in the round and counts itself out (a rank
+    paused after publishing may still read or write the register: never taken from under
+    it, whatever its lateness)."""
+    r = Round(store, "d", both=True)
+    r.remember()
+    assert leftovers.reap(store, 0, 0) == 0
+    assert _left(store, r.keys) == r.keys
+    assert leftovers.pending() == 0
+
+
 def test_a_round_the_last_rank_removed_costs_one_check(store):
-    done, keys = _round(store, "c")
-    other_key = "fiws/0-1/c/0/rec/1"  # not the round's remembered key: must stay
-    store.set(other_key, "y")
-    store.delete_key(done)  # the last rank out removed the round
-    leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(store, 0) == 0
-    assert store.check([other_key]) and store.check([keys[0]])
+    r = Round(store, "e")
+    store.delete_key(r.others[-1])  # the last rank out removed the round (done first here)
+    r.remember()
+    assert leftovers.reap(store, 0, 0) == 0
+    assert _left(store, r.keys) == [k for k in r.keys if k != r.others[-1]]
     assert leftovers.pending() == 0
 
 
-def test_a_pass_looks_at_no_more_than_per_pass_rounds(store):
-    rounds = [_round(store, f"d{i}") for i in range(leftovers.PER_PASS + 3)]
-    for done, keys in rounds:
-        leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(store, 0) == leftovers.PER_PASS
-    assert leftovers.pending() == 3
-    assert leftovers.reap(store, 0) == 3
+def test_the_register_goes_last(store):
+    """A rank that finds no register finds none of the round's other keys either."""
+    r = Round(store, "f")
+    r.remember()
+    order = []
 
-
-def test_a_store_that_fails_keeps_the_rest_going(store):
-    class Failing:
+    class Watching:
         def check(self, keys):
-            raise RuntimeError("store gone")
+            return store.check(keys)
 
-    done, keys = _round(store, "e")
-    leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(Failing(), 0) == 0  # dropped, never raised
-    assert leftovers.pending() == 0
+        def delete_key(self, key):
+            order.append(key)
+            return store.delete_key(key)
+
+    assert leftovers.reap(Watching(), 0, 0) == 1
+    assert order[-1] == r.register and sorted(order) == sorted(r.records[:1] + [
+        r.records[1], *r.others, r.register])
 
 
-def test_the_oldest_are_forgotten_beyond_the_limit(store, monkeypatch):
-    monkeypatch.setattr(leftovers, "LIMIT", 2)
-    for i in range(3):
-        leftovers.remember(f"done{i}", [f"done{i}"], time.monotonic() - 1, 0)
-    assert leftovers.pending() == 2
-    store.set("done0", "x")
-    store.set("done2", "x")
-    assert leftovers.reap(store, 0) == 1  # done1 is absent; done0 was forgotten
-    assert store.check(["done0"]) and not store.check(["done2"])
+def test_one_round_per_pass(store):
+    rounds = [Round(store, f"g{i}") for i in range(3)]
+    for r in rounds:
+        r.remember()
+    assert [leftovers.reap(store, 0, 0) for _ in range(4)] == [1, 1, 1, 0]
+    assert all(_left(store, r.keys) == [] for r in rounds)
+
+
+def test_a_store_error_on_one_round_keeps_the_next_for_the_next_pass(store):
+    class FailsOnce:
+        def __init__(self):
+            self.failed = False
+
+        def check(self, keys):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("store timeout")
+            return store.check(keys)
+
+        def delete_key(self, key):
+            return store.delete_key(key)
+
+    first, second = Round(store, "h"), Round(store, "i")
+    first.remember()
+    second.remember()
+    failing = FailsOnce()
+    assert leftovers.reap(failing, 0, 0) == 0  # dropped, never raised
+    assert _left(store, first.keys) == first.keys
+    assert leftovers.reap(failing, 0, 0) == 1
+    assert _left(store, second.keys) == []
 
 
 def test_a_round_of_a_replaced_group_is_dropped_not_removed(store):
     """A new default group numbers its rounds from 0 again: the same key names on its store
     may be one of its own live rounds (seen as a stray key under load in the 50-re-init
     test before the generation was kept)."""
-    done, keys = _round(store, "f")
-    leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(store, 1) == 0
-    assert all(store.check([k]) for k in keys)
-    assert leftovers.pending() == 0
+    old, new = Round(store, "j"), Round(store, "k")
+    old.remember(epoch=0)
+    new.remember(epoch=1)
+    assert leftovers.reap(store, 1, 1) == 1  # the old group's round: dropped on the way
+    assert _left(store, old.keys) == old.keys
+    assert _left(store, new.keys) == [] and leftovers.pending() == 0
 
 
-def test_a_removed_round_does_not_stop_the_pass(store):
-    """The first due round was removed by its last rank; the pass still removes the next."""
-    gone, gone_keys = _round(store, "f")
-    store.delete_key(gone)
-    done, keys = _round(store, "g")
-    leftovers.remember(gone, gone_keys, time.monotonic() - 1, 0)
-    leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(store, 0) == 1
-    assert not any(store.check([k]) for k in keys)
-    assert leftovers.pending() == 0
+def test_a_late_count_out_of_a_replaced_group_touches_nothing(store):
+    """A count-out of the old group, late on its line, once a new group is in place: it
+    neither removes nor drops the new group's rounds."""
+    r = Round(store, "l")
+    r.remember(epoch=1)
+    assert leftovers.reap(store, 0, 1) == 0
+    assert leftovers.pending() == 1 and _left(store, r.keys) == r.keys
 
 
-def test_a_round_is_due_at_its_not_before_time(store, monkeypatch):
-    done, keys = _round(store, "h")
-    leftovers.remember(done, keys, 1000.0, 0)
-    monkeypatch.setattr(leftovers, "time", type("Clock", (), {"monotonic": staticmethod(lambda: 1000.0)}))
-    assert leftovers.reap(store, 0) == 1
-    assert not store.check([done])
-
-
-def test_a_store_error_on_one_round_does_not_stop_the_pass(store):
-    """One round's ``check`` raises (dropped); the next round of the same pass is removed."""
-    class FailsOnce:
-        def __init__(self, s):
-            self.s, self.failed = s, False
-
-        def check(self, keys):
-            if not self.failed:
-                self.failed = True
-                raise RuntimeError("store timeout")
-            return self.s.check(keys)
-
-        def delete_key(self, key):
-            return self.s.delete_key(key)
-
-    first, first_keys = _round(store, "i")
-    done, keys = _round(store, "j")
-    leftovers.remember(first, first_keys, time.monotonic() - 1, 0)
-    leftovers.remember(done, keys, time.monotonic() - 1, 0)
-    assert leftovers.reap(FailsOnce(store), 0) == 1
-    assert store.check([first]) and not any(store.check([k]) for k in keys)
-    assert leftovers.pending() == 0
+def test_the_oldest_are_forgotten_beyond_the_limit(store, monkeypatch):
+    monkeypatch.setattr(leftovers, "LIMIT", 2)
+    rounds = [Round(store, f"m{i}") for i in range(3)]
+    for r in rounds:
+        r.remember()
+    assert leftovers.pending() == 2
+    assert [leftovers.reap(store, 0, 0) for _ in range(3)] == [1, 1, 0]
+    assert _left(store, rounds[0].keys) == rounds[0].keys  # forgotten: its keys stay
+    assert _left(store, rounds[2].keys) == []

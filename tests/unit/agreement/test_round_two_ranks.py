@@ -180,11 +180,12 @@ def test_a_round_left_incomplete_is_counted_out_and_remembered(hashstore):
 
     leftovers._forget_all()
     try:
-        old = ["fiws/old/0/rec/0", "fiws/old/0/done"]
+        old = ["fiws/old/0/rec/0", "fiws/old/0/reg", "fiws/old/0/done"]
         for key in old:
             hashstore.set(key, "x")
         r0 = rank(hashstore, 0, bound=0.3)
-        leftovers.remember(old[-1], old, time.monotonic() - 1, r0.epoch)  # due now
+        leftovers.remember(["fiws/old/0/rec/0", "fiws/old/0/rec/1"], old[1], old[2:],
+                           time.monotonic() - 1, r0.epoch)  # due now (rank 1's record never came)
         r0.book.world = 0  # this default group's generation on the store (board.world_of)
         hashstore.set(r0._board_key(1), Board(7, "other/0", "wait", world=0).to_json())
         (a,) = together((r0, record(0)))
@@ -194,9 +195,9 @@ def test_a_round_left_incomplete_is_counted_out_and_remembered(hashstore):
         assert (mine.state, mine.round) == ("done", r0.round_name)
         assert r0.book.seen(r0.mkey) == {1: 7}
         assert hashstore.get(r0._k("done")) == b"1"
-        keys = tuple(r0._rec_keys() + [r0._k(k) for k in ("reg", "arrived", "ready", "acks", "done")])
-        assert list(leftovers._rounds) == [
-            (r0.deadline + r0.line_timeout + GRACE_S, r0.epoch, r0._k("done"), keys)]
+        others = tuple(r0._k(k) for k in ("arrived", "ready", "acks", "done"))
+        assert list(leftovers._rounds) == [(r0.deadline + r0.line_timeout + GRACE_S, r0.epoch,
+                                            tuple(r0._rec_keys()), r0._k("reg"), others)]
         assert not any(hashstore.check([k]) for k in old)  # the due round was removed
         assert hashstore.check([r0._k("reg")])  # this round's keys stay until due
     finally:
