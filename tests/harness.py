@@ -227,7 +227,7 @@ def results(runs: list[dict]) -> list[dict]:
     return [r["result"] for r in runs]
 
 
-def run_python(code: str, *, env: dict | None = None, args=(), timeout: float = 60.0):
+def run_python(code: str, *, env: dict | None = None, args=(), timeout: float = 300.0):
     """A fresh interpreter running ``code``; returns CompletedProcess."""
     return subprocess.run([sys.executable, *args, "-c", code], env=clean_env(**(env or {})),
                           capture_output=True, text=True, timeout=timeout)

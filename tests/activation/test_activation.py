@@ -44,7 +44,7 @@ def package_dirs() -> list:
             str(Path(wrapt.__file__).resolve().parents[1])]
 
 
-def run_bare(code: str, value, *, extra_path=(), timeout=60.0) -> dict:
+def run_bare(code: str, value, *, extra_path=(), timeout=300.0) -> dict:
     """``code`` then REPORT in ``python -S`` with the variable set to ``value`` (None:
     unset); returns the report, with the child's stderr under ``stderr``."""
     env = harness.clean_env()
@@ -166,7 +166,7 @@ def test_start_file_through_a_real_python_3_15(tmp_path):
     code = ("import site, sys; site.addsitedir(sys.argv[1])\n" + REPORT)
     env = {"FLASHINFER_SAFE_WORKSPACE": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([exe, "-S", "-c", code, str(site_dir)], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads([l for l in proc.stdout.splitlines() if l.startswith("OUT")][-1][3:])
     assert out["by"] == "start" and out["watching"]

@@ -25,7 +25,7 @@ def _run(tmp_path, value):
     if value is not None:
         env["FLASHINFER_SAFE_WORKSPACE"] = value
     proc = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads([l for l in proc.stdout.splitlines() if l.startswith("OUT")][-1][3:])
 

@@ -99,7 +99,7 @@ def test_child_processes_inherit_activation():
             "r = subprocess.run([sys.executable, '-c', 'import flashinfer.comm as c; "
             "from flashinfer_safe_workspace.activation import patch as _patch; "
             "print(_patch.is_ours(c.create_allreduce_fusion_workspace))'],"
-            " capture_output=True, text=True, timeout=60)\n"
+            " capture_output=True, text=True, timeout=240)\n"
             "print('OUT', r.stdout.strip())")
-    proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": "1"}, timeout=90)
+    proc = run_python(code, env={"FLASHINFER_SAFE_WORKSPACE": "1"}, timeout=300)
     assert "OUT True" in proc.stdout, proc.stderr
