@@ -29,6 +29,7 @@ import collections
 import os
 import threading
 import time
+from typing import Optional
 
 PER_PASS = 1  # rounds looked at per count-out (the store line's queue stays short)
 LIMIT = 4096  # rounds remembered at most; beyond, the oldest are forgotten (their keys stay)
@@ -53,6 +54,24 @@ def remember(records: list, register: str, others: list, not_before: float,
 def pending() -> int:
     with _lock:
         return len(_rounds)
+
+
+def count_out(s, records: list, register: str, others: list, not_before: Optional[float],
+              epoch: int, current: int) -> None:
+    """This rank's count-out of a round, on the store line (``add`` on its ``done`` key,
+    the last of ``others``): the last rank out deletes the round's keys; an earlier one
+    remembers a round that did not complete (``not_before`` given) for a later removal.
+    Then one earlier round left behind is looked at (``reap``)."""
+    if s.add(others[-1], 1) < len(records):
+        if not_before is not None:
+            remember(records, register, others, not_before, epoch)
+    else:
+        for key in (*records, register, *others):
+            try:
+                s.delete_key(key)
+            except Exception:  # noqa: BLE001 - cleanup only
+                pass
+    reap(s, epoch, current)
 
 
 def _due(now: float, epoch: int) -> list:

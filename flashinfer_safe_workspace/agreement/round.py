@@ -365,30 +365,20 @@ class StoreRound:
         if self.finished:
             return
         self.finished = True
-        done_key, size, mkey = self._k("done"), len(self.ranks), self.mkey
-        keys = self._rec_keys() + [self._k(k) for k in ("reg", "arrived", "ready", "acks", "done")]
+        records, register = self._rec_keys(), self._k("reg")
+        others = [self._k(k) for k in ("arrived", "ready", "acks", "done")]
         entry = self._entry if (self.published and not self.complete) else None
-        board_key = self._board_key(self.rank)
+        board_key, book, mkey, epoch = self._board_key(self.rank), self.book, self.mkey, self.epoch
         peers = [] if self.complete else [r for r in self.ranks if r != self.rank]
-        book, epoch = self.book, self.epoch
-        not_before = self.deadline + self.line_timeout + GRACE_S
+        # a round that did not complete is remembered until long decided (``leftovers``)
+        not_before = None if self.complete else self.deadline + self.line_timeout + GRACE_S
 
         def wrap_up(s):
             if entry is not None:
                 s.set(board_key, dataclasses.replace(entry, state="done").to_json())
             if peers:
                 _board.note_peers_seen(s, book, mkey, peers)
-            if s.add(done_key, 1) < size:  # a round some rank may never count out of
-                if peers:
-                    _leftovers.remember(keys[:size], keys[size], keys[size + 1:], not_before,
-                                        epoch)
-            else:
-                for key in keys:
-                    try:
-                        s.delete_key(key)
-                    except Exception:  # noqa: BLE001 - cleanup only
-                        pass
-            _leftovers.reap(s, epoch, _store.epoch())  # an earlier round left behind
+            _leftovers.count_out(s, records, register, others, not_before, epoch, _store.epoch())
         self.line.submit(wrap_up)
 
     def abort_now(self, why: str) -> None:
