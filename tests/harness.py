@@ -176,10 +176,20 @@ def start_file(path, argv, env: dict, *, fresh: bool = False):
     return _Forked((str(path), argv), env)
 
 
+def _shell_signals() -> None:
+    """In a fresh rank before it runs: SIGINT as a shell leaves it (Python then raises
+    KeyboardInterrupt on it), whatever the test process ignores (a pytest-xdist worker may
+    have SIGINT ignored; a child inherits an ignored signal across exec)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(script: str, env: dict):
     if os.environ.get("FIWS_TEST_FORK", "1") == "0" or "FLASHINFER_SAFE_WORKSPACE" in env:
         return subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=_shell_signals)
     return _Forked(script, env)
 
 
