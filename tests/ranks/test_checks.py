@@ -71,18 +71,24 @@ def assert_created(rs):
         assert r["outcome"] == "created" and r["calls"] == 1, r
 
 
+# TP=2 x DP=2 over 4 ranks: the comm backend an engine passes (a torch group inside)
+TP_GROUPS = """
+class TorchDistBackend:
+    def __init__(self, group): self._group = group
+    def Get_rank(self): return dist.get_rank(self._group)
+    def Get_size(self): return dist.get_world_size(self._group)
+tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+tp = tps[RANK // 2]
+"""
+
+
 def test_mode1_rendezvous_group_is_world_on_0_6_10():
     """TP=2 x DP=2: the comm backend is the TP group, FlashInfer 0.6.10 rendezvouses on
     WORLD (4 ranks): every rank vetoes (check group); 0.7.4 creates."""
     body = """
 import rank_lib, flashinfer
 flashinfer.__version__ = VERSION
-class TorchDistBackend:  # the comm backend an engine passes: a torch group inside
-    def __init__(self, group): self._group = group
-    def Get_rank(self): return dist.get_rank(self._group)
-    def Get_size(self): return dist.get_world_size(self._group)
-tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-tp = tps[RANK // 2]
+""" + TP_GROUPS + """
 rank_lib.setup(free_mb=None, on_veto="raise")
 outcome, secs, err = rank_lib.create(rank=RANK % 2, comm_backend=TorchDistBackend(tp))
 d = rank_lib.last_decision() or {}
@@ -104,12 +110,7 @@ def test_mode1_group_given_is_the_tp_group_on_0_6_10():
     body = """
 import rank_lib, flashinfer
 flashinfer.__version__ = '0.6.10'
-class TorchDistBackend:
-    def __init__(self, group): self._group = group
-    def Get_rank(self): return dist.get_rank(self._group)
-    def Get_size(self): return dist.get_world_size(self._group)
-tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-tp = tps[RANK // 2]
+""" + TP_GROUPS + """
 rank_lib.setup(free_mb=None, on_veto="raise")
 outcome, secs, err = rank_lib.create(rank=RANK % 2, comm_backend=TorchDistBackend(tp), group=tp)
 d = rank_lib.last_decision() or {}

@@ -25,6 +25,8 @@ import pytest
 from flashinfer_safe_workspace.planning.plan import MiB, Facts, PassThrough, Request, Unplanned
 from flashinfer_safe_workspace.planning.rules import plan_for
 
+from conformance import runner
+
 TABLE = Path(__file__).with_name("release_table.txt")
 PAD = 9216
 
@@ -37,20 +39,9 @@ FACTS = {  # tests/conformance/runner.py FACTS, the stand-ins' device answers
     "no-multicast": dict(multicast_supported=False),
 }
 
-ENTRIES = {  # tests/conformance/runner.py ENTRIES: (entry, backend, options)
-    "trtllm": ("unified", "trtllm", {}),
-    "trtllm-oneshot": ("unified", "trtllm", {"force_oneshot_support": True}),
-    "trtllm-cc": ("unified", "trtllm", {"cc": True}),
-    "mnnvl": ("unified", "mnnvl", {}),
-    "mnnvl-oneshot": ("unified", "mnnvl", {"force_oneshot_support": True}),
-    "mnnvl-cc": ("unified", "mnnvl", {"cc": True}),
-    "auto-all-multicast": ("unified", "auto", {"peers": True}),
-    "auto-peer-without-multicast": ("unified", "auto", {"peers": False}),
-    "legacy": ("legacy", "trtllm", {"create_metadata": True}),
-    "legacy-no-metadata": ("legacy", "trtllm", {}),
-    "legacy-symm": ("legacy", "trtllm", {"use_symm_dev_mem": True, "create_metadata": True}),
-    "legacy-symm-no-metadata": ("legacy", "trtllm", {"use_symm_dev_mem": True}),
-}
+# what is called, (entry, backend, options): the conformance runner's own table, less the
+# mnnvl-cutedsl rows (the grid's cases, kept by their labels below)
+ENTRIES = {name: call for name, call in runner.ENTRIES.items() if call[1] != "mnnvl-cutedsl"}
 
 
 CUTEDSL = "mnnvl-cutedsl-accepted"  # rows named by the conformance grid's label
@@ -159,7 +150,6 @@ def cutedsl_grid():
     """The conformance grid's mnnvl-cutedsl cases by label (they hold FlashInfer's own
     config objects, so they are made from the installed FlashInfer's tables)."""
     pytest.importorskip("flashinfer.comm.mnnvl_cutedsl")
-    from conformance import runner
 
     return {spec.label(): spec for spec in runner.cutedsl_grid()}
 
@@ -167,7 +157,6 @@ def cutedsl_grid():
 def _cutedsl_call(spec):
     """The request and facts of one grid case, as the conformance runner builds them
     (runner.call_flashinfer, runner._case_and_facts), with torch's pad fixed at PAD."""
-    from conformance import runner
 
     raw = dict(runner.FACTS[spec.facts_name])
     facts = Facts(granularity=raw.get("granularity", 2 * MiB),
