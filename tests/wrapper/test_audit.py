@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 
 import pytest
 
@@ -386,15 +387,26 @@ def test_nested_audit_is_skipped_and_leaves_the_outer_one_alone(installed):
     assert outer.status == "ok", outer.report_line()
 
 
-def test_cost_per_creation_is_small(installed):
-    """Our own time (patch + restore + verdict) per creation; bench/audit reports it."""
+def test_own_time_per_creation_is_measured_and_excludes_flashinfer(installed):
+    """Our own time (patch + restore + verdict) is counted, and FlashInfer's time is not.
+
+    How small it is (the 0.5 ms budget) is a figure ``bench/audit`` prints, not a timed test:
+    here a creation made to take 50 ms must not show up in ``overhead_s``.
+    """
     rec, keep = installed
     spec = Spec("trtllm", 2, 0, 2048, 4096, "bfloat16", "h200")
-    best = 1.0
-    for _ in range(20):
-        audit, _, _ = _audited(rec, keep, spec)
-        best = min(best, audit.overhead_s)
-    assert best < 0.002, best  # the budget is 0.5 ms; 2 ms bounds a busy 2-core CI box
+    case, facts, plan, req, fn, kwargs = _prepare(spec)
+    slow = 0.05
+    rec.start(case)
+    begun = time.perf_counter()
+    with _audit.watch(plan, req, VERSION) as audit:
+        keep.append(fn(**kwargs))
+        time.sleep(slow)  # inside the watched call: FlashInfer's time, not ours
+    whole = time.perf_counter() - begun
+    rec.stop()
+    assert audit.status == "ok", audit.report_line()
+    assert audit.elapsed_s >= slow, audit.elapsed_s
+    assert 0.0 < audit.overhead_s <= whole - audit.elapsed_s, (audit.overhead_s, whole)
 
 
 def test_real_driver_module_is_patched_and_restored_in_a_fresh_interpreter():
