@@ -469,6 +469,59 @@ result.update(a=a[0], b=b[0], b_secs=b[1], a_reasons=a_reasons, b_reasons=b_reas
                       at_once(runs, 0, "b_secs"),
                       _cached_reasons(runs, short=1))),
     Scenario(
+        "a peer two calls behind, held in each of its rounds until its peer has seen it there", 2,
+        _free("rank_lib.need_mb(max_token_num=2048) - 2 if RANK == 0 else None") + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+from flashinfer_safe_workspace.agreement import board as _board
+if RANK == 0:  # says no in call 1 only once rank 1 waits there; marks each board entry of
+    # rank 1's that its third call's round has judged (its calls, its state); lets rank 1
+    # go on to call 3 once it has seen rank 1's call 2 finished for twice REJOIN_S (or has
+    # given its own round up)
+    rank_lib.at("probe", rank_lib.once(lambda: await_mark("published-1")))
+    judge, first = _board.Watch._judge, {}
+    def judged(self, rank, b, seen, now):
+        verdict = judge(self, rank, b, seen, now)
+        if b is not None and self.rnd.calls == 3:
+            mark(f"judged-{b.calls}-{b.state}")
+            if (b.calls, b.state) == (2, "done") and (
+                    now - first.setdefault(b.generation, now) >= 2 * _board.REJOIN_S):
+                mark("go-3")
+        return verdict
+    _board.Watch._judge = judged
+else:  # held in its rounds of calls 1 and 2 until rank 0, in call 3, has judged it there,
+    # and after call 2 until rank 0 lets it go on
+    held, voted = ["judged-2-wait", "judged-1-wait"], []
+    def published():
+        if len(held) == 2:
+            mark("published-1")
+        if held:
+            await_mark(held.pop())
+    def after_vote():
+        voted.append(1)
+        if len(voted) == 2:
+            await_mark("go-3")
+    rank_lib.at("round.published", published)
+    rank_lib.at("round.voted", after_vote)
+a = rank_lib.create(rank=RANK)  # both vetoed (rank 0 short): cached on both
+a_reasons = rank_lib.last_reasons
+b = rank_lib.create(rank=RANK, max_token_num=(2048 if RANK == 0 else 512))  # rank 0: cache; rank 1: alone
+b_reasons = rank_lib.last_reasons
+outcome, secs, err = rank_lib.create(rank=RANK, max_token_num=256)  # both: a new call that fits
+if RANK == 0:
+    mark("go-3")
+result.update(a=a[0], b=b[0], b_secs=b[1], a_reasons=a_reasons, b_reasons=b_reasons,
+              outcome=outcome, secs=secs, err=err, held=(held if RANK == 1 else []),
+              calls=len(rank_lib.calls), live=dev.live_bytes)
+""",
+        "the first scenario with rank 1's two rounds seen by rank 0's third, in order, and "
+        "rank 1 slow to come after its second: rank 0 keeps its round open (rank 1 has made "
+        "fewer calls), and both create on the third call",
+        lambda runs: (created_on_all(runs),
+                      _expect(_res(runs, 1)["held"] == [], runs),
+                      _expect([_res(runs, r)["a"] for r in (0, 1)] == ["none", "none"], runs),
+                      _expect([_res(runs, r)["b"] for r in (0, 1)] == ["none", "none"], runs),
+                      _cached_reasons(runs, short=0))),
+    Scenario(
         "comm_backend whose allgather returns fewer records than ranks", 2,
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)

@@ -12,7 +12,10 @@ that is making another call:
 * a peer waiting at another round that has made *more* calls is ahead of us: it answered
   our call from its veto cache (or took a pass-through) and waits in the next one. We do
   not abort its round, which is the one we are about to join; our own round ends at once;
-* a peer that *finished* another call without us (said no, or was decided) will not come.
+* a peer that has made fewer calls and *finished* one of them (said no, or was decided) is
+  still behind: it comes to ours after the calls it has left, so we keep waiting;
+* a peer that has made as many calls and *finished* another one without us (said no, or was
+  decided) will not come: a mismatch, and our round ends.
 
 The call count only orders which of two waiting rounds gives way, so that a rank that
 fell behind re-aligns on its next call; every outcome is still written to a register, so a
@@ -211,32 +214,38 @@ class Watch:
         another call now and may come to ours next), ``"finished"`` (it will not come to
         ours: it decided another call without us, or it is ahead of us), or None."""
         rnd = self.rnd
-        if b is None:
+        if b is None or b.round == rnd.round_name:
             return None
+        if b.calls < rnd.calls:
+            # behind us: it is still making calls we made (or answered from our cache)
+            # before this one. Its round of one of them is aborted while it waits there;
+            # whatever it has finished, it comes to ours after the calls left
+            return "waiting" if b.state == "wait" and self._new(rank, b, seen) else None
         if self._aborted.get(rank) == b.generation and b.state == "done":
             # a peer whose other call we aborted has finished it: if it does not come to
             # our round soon, it was a mismatch, not a call it made before ours
             since = self._done_at.setdefault(rank, now)
             return "finished" if now - since > REJOIN_S else None
-        if (rank in self._aborted and b.generation > self._aborted[rank]
-                and b.round != rnd.round_name):
-            # it finished the call we aborted and moved on to yet another one: it is not
-            # coming to ours; abort our round and leave its new one alone (we may join it)
-            return "finished"
-        if b.generation <= seen.get(rank, 0) or b.round == rnd.round_name:
+        if not self._new(rank, b, seen):
             return None
-        call, _, c = b.round.rpartition("/")
-        if rnd.book.next_round(rnd.mkey, call) > int(c or 0):
-            # a round this rank already finished: old news, not a mismatch
-            rnd.book.mark_seen(rnd.mkey, rank, b.generation)
-            return None
-        if b.state != "wait":
-            return "finished"
-        if b.calls > rnd.calls:
-            # ahead of us: our call is one it answered without a round; it waits in the
-            # next one, which is ours to join. Leave its round alone and end ours.
+        if b.state != "wait" or b.calls > rnd.calls:
+            # it decided its own call as the same count as ours without us, or it is ahead
+            # of us: our call is one it answered without a round, and it waits in the next
+            # one, which is ours to join. Leave its round alone and end ours.
             return "finished"
         return "waiting"
+
+    def _new(self, rank: int, b: Board, seen: dict) -> bool:
+        """Whether a peer's entry is news: a generation not seen before, of a round that
+        this rank has not finished itself (a finished one is old news, and noted seen)."""
+        rnd = self.rnd
+        if b.generation <= seen.get(rank, 0):
+            return False
+        call, _, c = b.round.rpartition("/")
+        if rnd.book.next_round(rnd.mkey, call) > int(c or 0):
+            rnd.book.mark_seen(rnd.mkey, rank, b.generation)
+            return False
+        return True
 
     def _abort_theirs(self, rank: int, b: Board) -> None:
         """Abort a peer's round of another call (it learns at once, with both values)."""

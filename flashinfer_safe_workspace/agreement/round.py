@@ -229,14 +229,14 @@ class StoreRound:
             noted.extend(w for w in waiting if w.rank not in {n.rank for n in noted})
             if not finished:  # it decided another call without us: a mismatch
                 return None
-            out.records = [record] + finished
-            out.verdict = resolve(out.records)
+            # the register holds what won: our abort, or what a peer decided first (a no
+            # whose wake-up has not reached us yet): followed like any register we read
             return self._write(ABORT, "ranks called with different arguments", mismatch=finished,
                                reasons=(ARG_MISMATCH,))
 
         kind, value = self._await(self._acknowledging(), self._k("ready"), self.deadline, tick)
         if kind == "tick":
-            out.commit, out.register = value.commit, value
+            self._follow(out, record, keys, value)
         elif kind == "poll" and _ops.text(value) == PROPOSE:  # no waiting line: step by step
             self._acknowledge(out)
         elif kind == "poll":

@@ -82,3 +82,71 @@ def test_either_order_one_round_survives():
         assert [p.rank for p in by_round["callC"][0]] == [1]  # ahead keeps waiting
         assert not store.check([reg_ahead])  # the round to join was never aborted
         assert store.check([reg_behind])
+
+
+def _show(store, rnd, peer, gen, ident, state, calls):
+    entry = Board(generation=gen, round=f"{ident}/0", state=state, args={"x": ident}, calls=calls)
+    store.set(board.board_key(rnd.mkey, peer), entry.to_json())
+    return f"fiws/{rnd.mkey}/{ident}/0/reg"
+
+
+def test_a_peer_two_calls_behind_is_waited_for_through_each_of_its_rounds(monkeypatch):
+    """Rank 0 waits in its third call (C); rank 1 is still in its first (A), then makes its
+    second (B) alone, then comes to C. Every round of rank 1's that rank 0 sees waiting is
+    aborted (it is a call rank 0 answered without it), every one it has finished is left
+    alone, and rank 0 never ends its own round, however long rank 1 takes between two
+    rounds (REJOIN_S set to 0). Seen under load before the fix: rank 1 moving on from the
+    aborted A to B read as "not coming", and C was vetoed on both ranks."""
+    monkeypatch.setattr(board, "REJOIN_S", 0.0)
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    watch = board.Watch(rnd)
+    steps = [(1, "callA", "wait", 1, True), (1, "callA", "done", 1, False),
+             (2, "callB", "wait", 2, True), (2, "callB", "done", 2, False),
+             (2, "callB", "done", 2, False)]
+    for gen, ident, state, calls, aborted in steps:
+        their_reg = _show(store, rnd, 1, gen, ident, state, calls)
+        waiting, finished = watch.mismatches(abort_theirs=True)
+        assert finished == []
+        assert [r.rank for r in waiting] == ([1] if aborted else [])
+        assert store.check([their_reg])  # aborted when first seen waiting
+    _show(store, rnd, 1, 3, "callC", "wait", 3)  # it has come to ours
+    assert watch.mismatches(abort_theirs=True) == ([], [])
+    assert not store.check([f"fiws/{rnd.mkey}/callC/0/reg"])
+
+
+def test_a_peer_behind_that_said_no_is_still_waited_for():
+    """Rank 1, one call behind, said no in a call rank 0 answered from its cache: it comes
+    to rank 0's round next, so that is no reason to end it."""
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    _show(store, rnd, 1, 5, "callB", "no", 2)
+    assert board.Watch(rnd).mismatches(abort_theirs=True) == ([], [])
+
+
+@pytest.mark.parametrize("state", ["no", "done"])
+def test_a_peer_at_the_same_count_that_finished_another_call_is_not_coming(state):
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    _show(store, rnd, 1, 5, "callX", state, 3)
+    waiting, finished = board.Watch(rnd).mismatches(abort_theirs=True)
+    assert waiting == [] and [r.rank for r in finished] == [1]
+
+
+def test_a_mismatched_peer_that_does_not_rejoin_ends_our_round(monkeypatch):
+    """The same count, another call: its round is aborted while it waits; once it has
+    finished it and not come to ours within REJOIN_S (0 here), ours ends too; before that
+    (REJOIN_S large) we keep waiting."""
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    watch = board.Watch(rnd)
+    _show(store, rnd, 1, 4, "callX", "wait", 3)
+    assert [r.rank for r in watch.mismatches(abort_theirs=True)[0]] == [1]
+    _show(store, rnd, 1, 4, "callX", "done", 3)
+    monkeypatch.setattr(board, "REJOIN_S", 1e9)
+    assert watch.mismatches(abort_theirs=True) == ([], [])
+    monkeypatch.setattr(board, "REJOIN_S", 0.0)
+    time.sleep(0.001)  # strictly after the moment it was first seen done
+    assert [r.rank for r in watch.mismatches(abort_theirs=True)[1]] == [1]
+    _show(store, rnd, 1, 6, "callY", "wait", 4)  # or it moved on past ours: ahead
+    assert [r.rank for r in watch.mismatches(abort_theirs=True)[1]] == [1]

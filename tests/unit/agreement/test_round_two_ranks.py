@@ -12,7 +12,8 @@ import pytest
 
 from flashinfer_safe_workspace import _decide  # noqa: F401 - registers checks.compare (vote.use_comparison)
 from flashinfer_safe_workspace import _reasons as R
-from flashinfer_safe_workspace.agreement import board as _board, round as _round, store as _store
+from flashinfer_safe_workspace.agreement import board as _board, explain as _explain, round as _round
+from flashinfer_safe_workspace.agreement import store as _store
 from flashinfer_safe_workspace.agreement.record import ABORT, COMMIT, NO, PASS, PASS_STATE, Register
 from unit.facts import record, with_check
 
@@ -254,3 +255,35 @@ def test_an_abort_decided_before_arrival_is_followed(hashstore, why, missing):
     out = r1.vote(record(1))
     assert out.commit is False and out.followed and out.key == r1._k() and r1.c == 0
     assert out.register == Register(ABORT, 0, why) and out.missing == missing
+
+
+def test_a_mismatch_seen_on_the_board_follows_a_register_decided_first(hashstore):
+    """Rank 1 waits in its round of call A (its first call on the set); rank 0 has already
+    said no there (out of memory: the register is written, its wake-up not yet) and moved
+    on to its third call, where the board shows it waiting. Rank 1's look at the boards
+    finds a peer ahead of it and writes its mismatch abort, which loses to the register
+    already there: rank 1 follows that register (rank 0's no, its reasons), not its own
+    guess. Seen on a loaded CI machine: the first call's reason read ARG_MISMATCH."""
+    from flashinfer_safe_workspace import _points
+    from flashinfer_safe_workspace.agreement.record import Board
+
+    r1 = rank(hashstore, 1, ident="A")
+    r1.book.world = 0
+    no = Register(ABORT, 0, "rank 0: out of memory", check="memory", reasons=(R.OUT_OF_MEMORY,))
+
+    def rank0_went_on(name):  # between rank 1's publish and its wait for the wake-up
+        if name == "round.published":
+            hashstore.set(r1._k("reg"), no.to_json())
+            hashstore.set(r1._board_key(0), Board(3, "C/0", "wait", {"max_token_num": 256},
+                                                  calls=3, world=0).to_json())
+    _points.install(rank0_went_on)
+    try:
+        (out,) = together((r1, record(1, call="A", args={"max_token_num": 2048})))
+    finally:
+        _points.install(None)
+    assert r1.calls == 1 and not out.commit
+    assert out.register == no
+    assert out.verdict is None or not out.verdict.mismatch
+    info = _explain.veto(out, None, None, record(1))
+    assert info.reasons == (R.OUT_OF_MEMORY,)
+    assert "max_token_num" not in info.message
