@@ -13,7 +13,9 @@ that is making another call:
   our call from its veto cache (or took a pass-through) and waits in the next one. We do
   not abort its round, which is the one we are about to join; our own round ends at once;
 * a peer that has made fewer calls and *finished* one of them (said no, or was decided) is
-  still behind: it comes to ours after the calls it has left, so we keep waiting;
+  still behind: it comes to ours after the calls it has left, so we keep waiting, unless
+  its entry shows no progress for ``BEHIND_S`` (at most a quarter of the vote timeout): a
+  call one rank made alone skews the counts for good, and such a peer is then a mismatch;
 * a peer that has made as many calls and *finished* another one without us (said no, or was
   decided) will not come: a mismatch, and our round ends.
 
@@ -36,6 +38,8 @@ from .record import ABORT, WAKE, Board, Record, Register
 BOARD_AFTER_S = 0.05  # a round still open this long after this rank counted in looks at boards
 BOARD_EVERY_S = 0.1  # and from then on this often
 REJOIN_S = 0.5  # a peer whose mismatched call we aborted gets this long to join our round
+BEHIND_S = 5.0  # a peer behind us that shows no progress this long (at most a quarter of
+# the vote timeout) is not coming: the call counts were skewed by a call only one rank made
 
 
 class Book:
@@ -181,6 +185,7 @@ class Watch:
         self.rnd = rnd
         self._aborted: dict = {}  # peer -> board generation of its round we aborted
         self._done_at: dict = {}  # peer -> when we saw it finish that round
+        self._idle: dict = {}  # peer behind us -> (its finished entry, when first seen so)
 
     def mismatches(self, abort_theirs: bool) -> tuple:
         """Peers whose board shows a call newer than the last one we saw, at another round:
@@ -219,8 +224,17 @@ class Watch:
         if b.calls < rnd.calls:
             # behind us: it is still making calls we made (or answered from our cache)
             # before this one. Its round of one of them is aborted while it waits there;
-            # whatever it has finished, it comes to ours after the calls left
-            return "waiting" if b.state == "wait" and self._new(rank, b, seen) else None
+            # after one it has finished, it comes to ours once through the calls left,
+            # unless it shows no progress for the patience (see ``_patience``)
+            if b.state == "wait":
+                self._idle.pop(rank, None)
+                return "waiting" if self._new(rank, b, seen) else None
+            entry = (b.generation, b.state)
+            last = self._idle.get(rank)
+            if last is None or last[0] != entry:
+                self._idle[rank] = (entry, now)
+                return None
+            return "finished" if now - last[1] > self._patience() else None
         if self._aborted.get(rank) == b.generation and b.state == "done":
             # a peer whose other call we aborted has finished it: if it does not come to
             # our round soon, it was a mismatch, not a call it made before ours
@@ -234,6 +248,16 @@ class Watch:
             # one, which is ours to join. Leave its round alone and end ours.
             return "finished"
         return "waiting"
+
+    def _patience(self) -> float:
+        """How long a peer behind us may show a finished round and nothing newer before it
+        reads as not coming: BEHIND_S, at most a quarter of the vote timeout, at least
+        REJOIN_S. Only a call one rank made without its peers (the counts skewed ever
+        after) makes a peer look behind that is not: then a mismatch ends our round after
+        the patience instead of the whole vote timeout; a peer that is truly behind and
+        slower than this costs one call a veto, never a split."""
+        t = self.rnd.line_timeout
+        return max(REJOIN_S, min(BEHIND_S, t / 4)) if t > 0 else BEHIND_S
 
     def _new(self, rank: int, b: Board, seen: dict) -> bool:
         """Whether a peer's entry is news: a generation not seen before, of a round that

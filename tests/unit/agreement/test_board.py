@@ -94,9 +94,10 @@ def test_a_peer_two_calls_behind_is_waited_for_through_each_of_its_rounds(monkey
     """Rank 0 waits in its third call (C); rank 1 is still in its first (A), then makes its
     second (B) alone, then comes to C. Every round of rank 1's that rank 0 sees waiting is
     aborted (it is a call rank 0 answered without it), every one it has finished is left
-    alone, and rank 0 never ends its own round, however long rank 1 takes between two
-    rounds (REJOIN_S set to 0). Seen under load before the fix: rank 1 moving on from the
-    aborted A to B read as "not coming", and C was vetoed on both ranks."""
+    alone, and rank 0 never ends its own round while rank 1 shows progress, however long it
+    takes between two rounds (REJOIN_S set to 0; the patience for a behind peer, BEHIND_S,
+    is not reached). Seen under load before the fix: rank 1 moving on from the aborted A to
+    B read as "not coming", and C was vetoed on both ranks."""
     monkeypatch.setattr(board, "REJOIN_S", 0.0)
     store = dist.HashStore()
     rnd = _round(store, 0, "callC", 3)
@@ -150,3 +151,44 @@ def test_a_mismatched_peer_that_does_not_rejoin_ends_our_round(monkeypatch):
     assert [r.rank for r in watch.mismatches(abort_theirs=True)[1]] == [1]
     _show(store, rnd, 1, 6, "callY", "wait", 4)  # or it moved on past ours: ahead
     assert [r.rank for r in watch.mismatches(abort_theirs=True)[1]] == [1]
+
+
+def test_a_peer_behind_without_progress_for_the_patience_is_not_coming(monkeypatch):
+    """A call one rank made alone skews the counts for good: a peer that looks behind may
+    have made its own, different call. Once its finished entry has shown no progress for
+    the patience (0 here), our round ends as a mismatch; progress starts the wait again."""
+    monkeypatch.setattr(board, "BEHIND_S", 0.0)
+    monkeypatch.setattr(board, "REJOIN_S", 0.0)
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 2)
+    watch = board.Watch(rnd)
+    _show(store, rnd, 1, 1, "callD", "done", 1)
+    assert watch.mismatches(abort_theirs=True) == ([], [])  # first seen finished: the clock starts
+    _show(store, rnd, 1, 2, "callE", "no", 1)  # progress (a newer entry): the clock starts again
+    assert watch.mismatches(abort_theirs=True) == ([], [])
+    time.sleep(0.001)
+    waiting, finished = watch.mismatches(abort_theirs=True)
+    assert waiting == [] and [(r.rank, r.args) for r in finished] == [(1, {"x": "callE"})]
+
+
+@pytest.mark.parametrize("vote_timeout, patience", [
+    (0.0, 5.0),  # a round without a vote timeout set: BEHIND_S
+    (120.0, 5.0), (8.0, 2.0),  # a quarter of the vote timeout, at most BEHIND_S
+    (1.0, 0.5),  # at least REJOIN_S
+])
+def test_the_patience_for_a_peer_behind(vote_timeout, patience):
+    rnd = _round(dist.HashStore(), 0, "callC", 2)
+    rnd.line_timeout = vote_timeout
+    assert board.Watch(rnd)._patience() == patience
+
+
+def test_a_peer_behind_waiting_in_a_round_we_finished_is_old_news():
+    """Rank 1, behind, still waits in the round of a call rank 0 has finished (decided
+    there): nothing to abort, nothing to report, and it is noted as seen."""
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    rnd.book.consume(rnd.mkey, "callA", 0)  # rank 0 finished callA/0
+    their_reg = _show(store, rnd, 1, 4, "callA", "wait", 1)
+    assert board.Watch(rnd).mismatches(abort_theirs=True) == ([], [])
+    assert not store.check([their_reg])
+    assert rnd.book.seen(rnd.mkey) == {1: 4}

@@ -287,3 +287,25 @@ def test_a_mismatch_seen_on_the_board_follows_a_register_decided_first(hashstore
     info = _explain.veto(out, None, None, record(1))
     assert info.reasons == (R.OUT_OF_MEMORY,)
     assert "max_token_num" not in info.message
+
+
+def test_after_a_call_one_rank_made_alone_a_mismatch_ends_within_the_patience(hashstore, monkeypatch):
+    """Rank 0 made one call on the set that rank 1 never made (its count is one ahead for
+    good); then rank 0 calls C and rank 1 calls D. Rank 1 sees rank 0 ahead and ends its
+    round; rank 0 sees rank 1 behind, finished, with no progress: after the patience (0.5 s
+    here) its round ends as a mismatch, named so (not a timeout, not cached), well before
+    its 20 s deadline. Found by review: without the patience rank 0 waited out its vote
+    timeout and cached a bare timeout abort."""
+    from flashinfer_safe_workspace import _decide as decide
+
+    monkeypatch.setattr(_board, "BEHIND_S", 0.5)
+    r0, r1 = rank(hashstore, 0, ident="C", bound=20.0), rank(hashstore, 1, ident="D", bound=20.0)
+    for r in (r0, r1):
+        r.book.world = 0
+    r0.book.count_call(r0.mkey)  # the call rank 0 made alone
+    a, b = together((r0, record(0, call="C", args={"n": 1})), (r1, record(1, call="D", args={"n": 2})))
+    assert not a.commit and not b.commit
+    for out, r in ((a, 0), (b, 1)):
+        assert not out.missing, out.missing  # ended by the board, not by the deadline
+        assert _explain.veto(out, None, None, record(r)).reasons == (R.ARG_MISMATCH,)
+        assert not decide._keep(out, "store")
