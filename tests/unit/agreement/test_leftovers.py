@@ -170,3 +170,28 @@ def test_the_oldest_are_forgotten_beyond_the_limit(store, monkeypatch):
     assert [leftovers.reap(store, 0, 0) for _ in range(3)] == [1, 1, 0]
     assert _left(store, rounds[0].keys) == rounds[0].keys  # forgotten: its keys stay
     assert _left(store, rounds[2].keys) == []
+
+
+def test_a_pass_of_several_rounds_goes_past_the_ones_it_skips(store, monkeypatch):
+    """With more than one round per pass (PER_PASS), a round the last rank out removed and
+    one whose store operation fails are passed over, and every other due round is removed
+    and counted (with PER_PASS = 1, the default, each pass looks at one round only)."""
+    monkeypatch.setattr(leftovers, "PER_PASS", 4)
+    gone, failing, first, second = (Round(store, n) for n in ("g", "h", "i", "j"))
+    store.delete_key(gone.others[-1])  # removed by the last rank out
+    for r in (gone, failing, first, second):
+        r.remember()
+
+    class Failing:
+        def check(self, keys):
+            return store.check(keys)
+
+        def delete_key(self, key):
+            if key.startswith("fiws/0-1/h/"):
+                raise RuntimeError("the store did not answer")
+            return store.delete_key(key)
+
+    assert leftovers.reap(Failing(), 0, 0) == 2
+    assert _left(store, first.keys) == [] and _left(store, second.keys) == []
+    assert _left(store, failing.keys) != []
+    assert leftovers.pending() == 0
