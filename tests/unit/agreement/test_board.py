@@ -144,7 +144,7 @@ def test_a_mismatched_peer_that_does_not_rejoin_ends_our_round(monkeypatch):
     _show(store, rnd, 1, 4, "callX", "wait", 3)
     assert [r.rank for r in watch.mismatches(abort_theirs=True)[0]] == [1]
     _show(store, rnd, 1, 4, "callX", "done", 3)
-    monkeypatch.setattr(board, "REJOIN_S", 1e9)
+    monkeypatch.setattr(board, "REJOIN_S", 60.0)
     assert watch.mismatches(abort_theirs=True) == ([], [])
     monkeypatch.setattr(board, "REJOIN_S", 0.0)
     time.sleep(0.001)  # strictly after the moment it was first seen done
@@ -192,3 +192,50 @@ def test_a_peer_behind_waiting_in_a_round_we_finished_is_old_news():
     assert board.Watch(rnd).mismatches(abort_theirs=True) == ([], [])
     assert not store.check([their_reg])
     assert rnd.book.seen(rnd.mkey) == {1: 4}
+
+
+def test_a_peer_entry_already_seen_is_not_news():
+    """A generation this rank has already noted (its wrap-up saw it, or it aborted that
+    round) is neither aborted again nor reported, even at the same count."""
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    rnd.book.mark_seen(rnd.mkey, 1, 4)
+    their_reg = _show(store, rnd, 1, 4, "callX", "wait", 3)
+    assert board.Watch(rnd).mismatches(abort_theirs=True) == ([], [])
+    assert not store.check([their_reg])
+    _show(store, rnd, 1, 5, "callX", "wait", 3)  # a newer generation is news
+    assert [r.rank for r in board.Watch(rnd).mismatches(abort_theirs=True)[0]] == [1]
+
+
+def test_a_later_round_of_a_call_we_finished_is_news():
+    """Rank 0 finished round 0 of callA; rank 1, behind, waits in round 1 of callA (a call
+    it made again): that round is not old news, and it is aborted."""
+    store = dist.HashStore()
+    rnd = _round(store, 0, "callC", 3)
+    rnd.book.consume(rnd.mkey, "callA", 0)
+    entry = Board(generation=4, round="callA/1", state="wait", args={"x": "callA"}, calls=2)
+    store.set(board.board_key(rnd.mkey, 1), entry.to_json())
+    waiting, finished = board.Watch(rnd).mismatches(abort_theirs=True)
+    assert [r.rank for r in waiting] == [1] and finished == []
+    assert store.check([f"fiws/{rnd.mkey}/callA/1/reg"])
+
+
+def test_every_peer_is_judged_on_its_own():
+    """Three ranks: rank 0 waits in callC (3 calls). Rank 1 shows nothing new, rank 2 is
+    behind and waits elsewhere: only rank 2 is reported (and aborted). Then rank 1 has
+    finished another call at the same count: both are reported, each in its own list."""
+    store = dist.HashStore()
+    rnd = round_.StoreRound(Line(store), (0, 1, 2), 0, "callC", time.monotonic() + 5, "t",
+                            {"max_token_num": "callC"})
+    rnd.c, rnd.calls = 0, 3
+    rnd.book.mark_seen(rnd.mkey, 1, 2)
+    _show(store, rnd, 1, 2, "callX", "wait", 3)
+    reg2 = _show(store, rnd, 2, 7, "callB", "wait", 2)
+    watch = board.Watch(rnd)
+    waiting, finished = watch.mismatches(abort_theirs=True)
+    assert [r.rank for r in waiting] == [2] and finished == []
+    assert store.check([reg2])
+    _show(store, rnd, 1, 3, "callY", "done", 3)
+    _show(store, rnd, 2, 8, "callB2", "wait", 2)
+    waiting, finished = watch.mismatches(abort_theirs=True)
+    assert [r.rank for r in waiting] == [2] and [r.rank for r in finished] == [1]
