@@ -225,10 +225,14 @@ class Watch:
             # behind us: it is still making calls we made (or answered from our cache)
             # before this one. Its round of one of them is aborted while it waits there;
             # after one it has finished, it comes to ours once through the calls left,
-            # unless it shows no progress for the patience (see ``_patience``)
+            # unless that round is news (or one we aborted) and it shows no progress for
+            # the patience (see ``_patience``)
             if b.state == "wait":
                 self._idle.pop(rank, None)
                 return "waiting" if self._new(rank, b, seen) else None
+            if self._aborted.get(rank) != b.generation and not self._new(rank, b, seen):
+                return None  # an entry of a round we finished too, or saw end: no sign
+                # that it is elsewhere, only that it has not come yet
             entry = (b.generation, b.state)
             last = self._idle.get(rank)
             if last is None or last[0] != entry:

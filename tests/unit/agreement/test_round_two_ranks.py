@@ -330,3 +330,43 @@ def test_after_a_call_one_rank_made_alone_a_mismatch_ends_within_the_patience(ha
         assert not out.missing, out.missing  # ended by the board, not by the deadline
         assert _explain.veto(out, None, None, record(r)).reasons == (R.ARG_MISMATCH,)
         assert not decide._keep(out, "store")
+
+
+def test_a_late_peer_after_a_veto_is_waited_for_not_read_as_elsewhere(hashstore, monkeypatch):
+    """Call P is vetoed on both ranks (rank 1 said no: its board entry stays "no" there).
+    Then rank 0 makes call C, and rank 1 comes to C only after rank 0 has looked at the
+    boards three times, with the patience for a peer behind at 0: rank 1's entry is one of
+    a round rank 0 finished too, no sign that it is elsewhere, so rank 0 keeps waiting and
+    both create. Found by review: the patience read that stale entry as "not coming" and
+    vetoed C, and every later call of a peer that kept coming late."""
+    monkeypatch.setattr(_board, "BEHIND_S", 0.0)
+    monkeypatch.setattr(_board, "REJOIN_S", 0.0)
+    p0, p1 = rank(hashstore, 0, ident="P"), rank(hashstore, 1, ident="P")
+    for r in (p0, p1):
+        r.book.world = 0
+    a, b = together((p0, record(0, call="P", args={"n": 1})),
+                    (p1, record(1, call="P", args={"n": 1}, state=NO, reason=R.OUT_OF_MEMORY)))
+    assert not a.commit and not b.commit
+    r0, r1 = rank(hashstore, 0, ident="C"), rank(hashstore, 1, ident="C")
+    r0.book, r1.book = p0.book, p1.book
+    looks, go = [], threading.Event()
+    look = r0._watch.mismatches
+
+    def counted(abort_theirs):
+        found = look(abort_theirs)
+        looks.append(found)
+        if len(looks) >= 3:
+            go.set()
+        return found
+    r0._watch.mismatches = counted
+    out = {}
+
+    def late():
+        if go.wait(BOUND_S):
+            out[1] = r1.open() or r1.vote(record(1, call="C", args={"n": 2}))
+    t = threading.Thread(target=late, daemon=True)
+    t.start()
+    (out[0],) = together((r0, record(0, call="C", args={"n": 2})))
+    t.join(BOUND_S + 5)
+    assert len(looks) >= 3 and all(found == ([], []) for found in looks)
+    assert out[0].commit and out[1].commit
