@@ -26,7 +26,7 @@ SLOW_FILES = {
     "test_sitecustomize.py", "test_installed.py", "test_startup.py", "test_activation.py",
     "test_compat.py", "test_bench_provenance.py", "test_demo.py", "test_logs.py",
     "test_patch.py", "test_cli_inputs.py", "test_audit.py", "test_harness.py",
-    "test_doctor.py", "test_check.py",
+    "test_doctor.py", "test_check.py", "test_reinit.py", "test_bench_success_path.py",
 }
 SLOW_DIRS = {"engines", "gpu"}
 
