@@ -37,9 +37,7 @@ def _round(store, me, ident, calls):
 
 
 def _peer_waits(store, rnd, peer, ident, calls):
-    entry = Board(generation=1, round=f"{ident}/0", state="wait", args={"x": ident}, calls=calls)
-    store.set(board.board_key(rnd.mkey, peer), entry.to_json())
-    return f"fiws/{rnd.mkey}/{ident}/0/reg"
+    return _show(store, rnd, peer, 1, ident, "wait", calls)
 
 
 @pytest.fixture(autouse=True)
