@@ -4,6 +4,7 @@ details (one per rank that said no, transport errors last)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 from .. import _reasons as _rec
@@ -18,11 +19,15 @@ class VetoInfo:
     ranks: tuple
     details: tuple
     reasons: tuple = ()  # reason codes (``_reasons``), sorted
+    # for ``headline``: (rank, device, bytes short) of each rank that ran out of memory,
+    # bytes = plan + headroom - free (-1: not known); and whether this rank decided alone
+    short: tuple = ()
+    alone: bool = False
 
 
 def local(message: str, reasons=()) -> VetoInfo:
     return VetoInfo(f"FlashInfer all-reduce workspace not created: {message}", (), (message,),
-                    tuple(sorted(reasons)))
+                    tuple(sorted(reasons)), alone=True)
 
 
 def _missing_reason(outcome) -> int:
@@ -98,7 +103,7 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
         reasons.update(decided or {_rec.ABORTED})
     message = head + "; ".join(details) + ". " + _advice(reasons)
     return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details),
-                    tuple(sorted(reasons)))
+                    tuple(sorted(reasons)), short=_shortfalls(outcome, record))
 
 
 def verdict_reasons(verdict, records) -> tuple:
@@ -162,3 +167,109 @@ def _from_verdict(verdict, records, ranks, details: list, named: list, reasons: 
         reasons.add(_rec.INTERNAL_ERROR)
     if not details:
         details.append(verdict.why)
+
+
+# --------------------------------------------------------------------------- the headline
+#
+# The veto WARNING's first sentence (``_wrapper._refuse``): which rank failed, why, and what
+# every rank now does, in plain words. Built from a ``VetoInfo`` alone; never raises.
+
+_OOM_AT = re.compile(r"(?:^|; )rank (\d+) \(cuda:(\d+)\): (?:the headroom|cuMemCreate) of ")
+_DIFFERS = re.compile(r"^(\w+) differs: ")
+_PLAIN = {  # a reason in words that follow "rank 0" / "ranks 0 and 1"
+    _rec.ARG_MISMATCH: "called with different arguments",
+    _rec.ABSENT: "did not answer within the vote timeout",
+    _rec.CAPTURING: "was called during CUDA graph capture",
+    _rec.STEP_TIMEOUT: "did not finish its own steps (plan, checks, probe) in time",
+}
+
+
+def _shortfall(cand: Candidate) -> int:
+    """Bytes one rank lacked: its plan plus headroom less its free memory (-1: not known)."""
+    if cand.free_bytes < 0:
+        return -1
+    return max(cand.peak_bytes + cand.headroom_bytes - cand.free_bytes, -1)
+
+
+def _shortfalls(outcome, record) -> tuple:
+    """``VetoInfo.short`` of a vetoed round: every record that said no for lack of memory,
+    or, for a rank that followed a decided abort, the ranks its register names."""
+    try:
+        verdict, records = outcome.verdict, outcome.records
+        found, pairs = [], []
+        if verdict is not None and records and not verdict.commit:
+            pairs = [(records[p], records[p].candidates.get(verdict.candidate))
+                     for p in verdict.no + verdict.passing]
+        elif record is not None and not record.is_yes():
+            pairs = [(record, cand) for cand in record.candidates.values()]
+        elif outcome.followed and outcome.register is not None:
+            found = [(int(r), int(d), -1) for r, d in _OOM_AT.findall(outcome.register.why)]
+        else:
+            return ()
+        if not found:
+            found = [(rec.rank, cand.device, _shortfall(cand)) for rec, cand in pairs
+                     if cand is not None and cand.reason == _rec.OUT_OF_MEMORY
+                     and isinstance(rec.rank, int)]
+        first = {}  # one entry per rank (``auto`` has two candidates)
+        for entry in found:
+            first.setdefault(entry[0], entry)
+        return tuple(first.values())
+    except Exception:  # noqa: BLE001 - only for the headline, which then names no figure
+        return ()
+
+
+def _ranks(ranks) -> str:
+    ranks = [str(r) for r in ranks]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(ranks[:-1])} and {ranks[-1]}"
+
+
+def _size(n: int) -> str:
+    if n < MiB:
+        return f"{n / 1024:.0f} KiB"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / MiB:.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.1f} MiB"
+
+
+def _words(codes) -> str:
+    return "; ".join(_rec.REASON_TEXT.get(c, f"reason {c}") for c in codes) or "no reason given"
+
+
+def cause(info: VetoInfo) -> str:
+    """Who said no and why, in words: ``rank 0 was 82 MiB short on cuda:0``."""
+    reasons = set(info.reasons)
+    if info.short:
+        said = [f"rank {r} was {_size(b)} short on cuda:{d}" if b > 0 and d >= 0 else
+                f"rank {r} was {_size(b)} short" if b > 0 else
+                f"rank {r} ran out of GPU memory" + (f" on cuda:{d}" if d >= 0 else "")
+                for r, d, b in info.short]
+        text = " and ".join(said)
+        rest = sorted(reasons - {_rec.OUT_OF_MEMORY})
+        return text + (f" (also: {_words(rest)})" if rest else "")
+    if info.alone:
+        return (f"this rank vetoed the call on its own ({info.details[0][:160]})" if info.details
+                else f"this rank vetoed the call on its own ({_words(sorted(reasons))})")
+    who = _ranks(info.ranks) if info.ranks else "a rank"
+    if _rec.ARG_MISMATCH in reasons:
+        names = [m.group(1) for m in map(_DIFFERS.match, info.details) if m]
+        return (f"{who} called with different arguments"
+                + (f" ({', '.join(names)})" if names else ""))
+    if len(reasons) == 1 and next(iter(reasons)) in _PLAIN:
+        return f"{who} {_PLAIN[next(iter(reasons))]}"
+    return f"{who} said no ({_words(sorted(reasons))})"
+
+
+def headline(info: VetoInfo, then: str = "") -> str:
+    """The veto's first sentence: which rank failed, why, and what every rank now does
+    (``then``, e.g. for the legacy entry, replaces the non-fused path). Never raises."""
+    try:
+        text = cause(info)
+    except Exception:  # noqa: BLE001 - a message must never fail the call
+        text = "a rank said no"
+    if info.alone:
+        return (f"{text}, so this rank did not create FlashInfer's all-reduce workspace; "
+                f"{then or 'it takes the non-fused all-reduce path'}.")
+    return (f"{text}, so no rank created FlashInfer's all-reduce workspace; "
+            f"{then or 'every rank takes the non-fused all-reduce path'}.")
