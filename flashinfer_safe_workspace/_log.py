@@ -85,26 +85,84 @@ def format_decision(**f) -> str:
             "check={check}").format(**f)
 
 
-def decision(d, outcome: str, answer: str, caller: str, audit: str) -> None:
-    """Log the decision line of ``d`` (a ``_decide.Decision``). Never raises."""
+# --------------------------------------------------------------------------- extra= fields
+#
+# The decision record and the veto WARNING also carry their fields on the LogRecord
+# (``extra=``), so that a JSON formatter emits them as fields. Each name is ``fiws_`` and a
+# decision-line field (``fiws_outcome``, ``fiws_reasons``...), with the typed value
+# ``parse_decision_lines`` reads from the line; ``fiws_event`` says which record it is. The
+# prefix keeps them clear of LogRecord's own attributes (docs/logs.md lists them).
+
+EXTRA_PREFIX = "fiws_"
+VETO_PAGE = "docs/when-it-vetoes.md"  # every veto WARNING ends by naming it
+
+
+def decision_fields(d, outcome: str, answer: str, caller: str, audit: str) -> dict:
+    """The decision line's fields of ``d`` (a ``_decide.Decision``), typed as
+    ``parse_decision_lines`` returns them."""
+    plan, req = d.plan, d.request
+    backend = plan.backend if plan is not None else getattr(req, "backend", "-")
+    codes = d.veto.reasons if outcome == "veto" and d.veto is not None else ()
+    rank = rank_tag().split()[0].split("=")[1]
+    return {
+        "rank": None if rank == "-" else int(rank), "pid": os.getpid(), "outcome": outcome,
+        "entry": getattr(req, "entry", "unified"), "backend": backend or "-",
+        "ranks": list(d.members.ranks) if d.members is not None else [],
+        "device": f"cuda:{d.device}" if d.device >= 0 else "-",
+        "plan_bytes": plan.peak_bytes if plan is not None else -1, "free_bytes": d.free_bytes,
+        "headroom_bytes": d.headroom_bytes, "headroom": d.headroom_why or "-",
+        "probe": "-" if d.probe_ok is None else ("ok" if d.probe_ok else "no"),
+        "answer": answer, "caller": caller or "-", "audit": audit,
+        "elapsed_ms": float(f"{d.elapsed_ms:.1f}"), "reasons": list(_reasons.names(codes)),
+        "check": getattr(d, "check", "") or "-"}
+
+
+def line_of(fields: dict) -> str:
+    """The decision line of ``decision_fields``' dict."""
+    return format_decision(**dict(
+        fields, rank="-" if fields["rank"] is None else fields["rank"],
+        ranks=",".join(map(str, fields["ranks"])) or "-",
+        reasons=",".join(fields["reasons"]) or "-"))
+
+
+def extra(event: str, fields: dict, **more) -> dict:
+    """``extra=`` of a record: ``fiws_event`` and every field, prefixed."""
+    out = {EXTRA_PREFIX + "event": event}
+    for key, value in {**fields, **more}.items():
+        out[EXTRA_PREFIX + key] = value
+    return out
+
+
+def decision(d, outcome: str, answer: str, caller: str, audit: str) -> dict:
+    """Log the decision line of ``d`` (a ``_decide.Decision``), its fields on the record
+    too; returns them (``{}`` if that failed). Never raises."""
     try:
-        plan, req = d.plan, d.request
-        backend = plan.backend if plan is not None else getattr(req, "backend", "-")
-        ranks = ",".join(map(str, d.members.ranks)) if d.members is not None else "-"
-        codes = d.veto.reasons if outcome == "veto" and d.veto is not None else ()
-        line = format_decision(
-            rank=rank_tag().split()[0].split("=")[1], pid=os.getpid(), outcome=outcome,
-            entry=getattr(req, "entry", "unified"), backend=backend or "-", ranks=ranks,
-            device=f"cuda:{d.device}" if d.device >= 0 else "-",
-            plan_bytes=plan.peak_bytes if plan is not None else -1, free_bytes=d.free_bytes,
-            headroom_bytes=d.headroom_bytes, headroom=d.headroom_why or "-",
-            probe="-" if d.probe_ok is None else ("ok" if d.probe_ok else "no"),
-            answer=answer, caller=caller or "-", audit=audit, elapsed_ms=d.elapsed_ms,
-            reasons=",".join(_reasons.names(codes)) or "-",
-            check=getattr(d, "check", "") or "-")
-        logger.info(line)
+        fields = decision_fields(d, outcome, answer, caller, audit)
+        logger.info(line_of(fields), extra=extra("decision", fields))
+        return fields
     except Exception as exc:  # noqa: BLE001 - a log line must never fail the call
         internal_error("log.decision", exc)
+        return {}
+
+
+def veto(info, summary: str, answer, fields: dict) -> None:
+    """The veto WARNING: ``summary`` (``agreement.explain.headline``) first, then this
+    rank's fields, then the veto's message, then the page that says what to do. The
+    decision's fields ride on the record, with the sentence and the message. Never raises."""
+    try:
+        reasons = ",".join(_reasons.names(info.reasons)) or "-"
+        message = info.message.rstrip()
+        text = (f"flashinfer_safe_workspace: {summary} Fields: {rank_tag()} "
+                f"answer={answer.kind} caller={answer.caller} reasons={reasons} "
+                f"check={fields.get('check', '-')} ({answer.why}). Detail: {message}"
+                f"{'' if message.endswith('.') else '.'} What to do: {VETO_PAGE}")
+        logger.warning("%s", text, extra=extra(
+            "veto", fields, summary=summary, message=info.message, named=list(info.ranks),
+            answer_why=answer.why, help=VETO_PAGE))
+    except Exception as exc:  # noqa: BLE001 - the plain message, if ours failed
+        internal_error("log.veto", exc)
+        logger.warning("flashinfer_safe_workspace %s: vetoed: %s What to do: %s", rank_tag(),
+                       getattr(info, "message", "-"), VETO_PAGE)
 
 
 def parse_decision_lines(text: str) -> list:

@@ -99,9 +99,8 @@ def _refuse(entry: str, settings, info, decision=None):
     # the calling module matters to the answer under ON_VETO=auto, else only to a log line
     answer = _caller.resolve(settings.on_veto, entry, need_caller=logged or debug)  # never raises
     if logged:
-        _log.decision(decision, "veto", answer.kind, answer.caller, "-")
-        logger.warning("flashinfer_safe_workspace %s: vetoed on every rank (%s; %s): %s",
-                       rank_tag(), _caller.fields(answer), answer.why, info.message)
+        fields = _log.decision(decision, "veto", answer.kind, answer.caller, "-")
+        _log.veto(info, _explain.headline(info, _then(entry, answer)), answer, fields)
     elif debug:
         logger.debug("fiws decision %s outcome=veto-cached entry=%s %s", rank_tag(), entry,
                      _caller.fields(answer))
@@ -109,6 +108,16 @@ def _refuse(entry: str, settings, info, decision=None):
         raise WorkspaceVetoed(info.message, ranks=info.ranks, details=info.details,
                               reasons=info.reasons)
     return None
+
+
+def _then(entry: str, answer) -> str:
+    """What every rank now does, for the veto's first sentence ("" : the non-fused path,
+    which is what ``None`` and an engine's caught ``WorkspaceVetoed`` lead to)."""
+    if entry == "legacy":
+        return "the call raises WorkspaceVetoed (the legacy entry always raises)"
+    if answer.kind == "raise" and not answer.why.startswith("auto:"):
+        return f"the call raises WorkspaceVetoed ({answer.why})"
+    return ""
 
 
 class _Watchdog:

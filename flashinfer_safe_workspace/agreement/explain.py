@@ -218,10 +218,14 @@ def _shortfalls(outcome, record) -> tuple:
         return ()
 
 
+def _rank(r: int) -> str:
+    return f"rank {r}" if r >= 0 else "this rank"  # -1: torch.distributed not initialised
+
+
 def _ranks(ranks) -> str:
-    ranks = [str(r) for r in ranks]
     if len(ranks) == 1:
-        return f"rank {ranks[0]}"
+        return _rank(ranks[0])
+    ranks = [str(r) for r in ranks]
     return f"ranks {', '.join(ranks[:-1])} and {ranks[-1]}"
 
 
@@ -241,9 +245,9 @@ def cause(info: VetoInfo) -> str:
     """Who said no and why, in words: ``rank 0 was 82 MiB short on cuda:0``."""
     reasons = set(info.reasons)
     if info.short:
-        said = [f"rank {r} was {_size(b)} short on cuda:{d}" if b > 0 and d >= 0 else
-                f"rank {r} was {_size(b)} short" if b > 0 else
-                f"rank {r} ran out of GPU memory" + (f" on cuda:{d}" if d >= 0 else "")
+        said = [f"{_rank(r)} was {_size(b)} short" + (f" on cuda:{d}" if d >= 0 else "")
+                if b > 0 else
+                f"{_rank(r)} ran out of GPU memory" + (f" on cuda:{d}" if d >= 0 else "")
                 for r, d, b in info.short]
         text = " and ".join(said)
         rest = sorted(reasons - {_rec.OUT_OF_MEMORY})

@@ -5,9 +5,9 @@ starved rank really is filled up; without, a simulated device (free bytes per ra
 stands in for the CUDA probe. Everything above the probe is the real code path, and
 FlashInfer's real function is what gets called when the vote says yes.
 
-Each rank reports what the decision logged (its decision line and, on a veto, its
-WARNING), read through the documented line parser: the demo keeps no state of its own
-inside the product.
+Each rank reports what the decision logged (its decision line, read through the
+documented line parser, and on a veto its WARNING's ``extra=`` fields): the demo keeps no
+state of its own inside the product. The text report ends with a one-line verdict.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 from ..planning.plan import MiB
 
 FLASHINFER_RAISED = "FlashInfer was called and raised"
+ROOM_BYTES = 80 << 30  # a simulated rank with room has this much free
+VERDICT_MAX = 160  # characters of the verdict line, at most
 
 
 def _free_port() -> int:
@@ -126,13 +128,72 @@ def _print_table(rows, args) -> None:
               + f", probe {row['probe']}, vote of ranks {row['ranks']}: {row['vote']}"
               f" (decision logged {row['elapsed_ms']:.1f} ms) -> {row['outcome']}"
               f" in {row['decision_ms']:.1f} ms")
-    reasons = {r.get("reason") for r in rows if r.get("reason")}
-    for reason in sorted(reasons):
+    # the veto's message, once: every rank's says the same (a late rank adds that it followed)
+    reason = next((r["reason"] for r in rows if r.get("reason")), "")
+    if reason:
         print(f"  reason: {reason}")
+    if any(r.get("device_kind") == "simulated" for r in rows):
+        print(f"  [simulated]: no GPU per rank here, so a simulated device (cuda:N in the "
+              "messages) answers each rank's memory probe; \"free\" is what the demo gives it: "
+              f"{ROOM_BYTES / MiB:.1f} MiB with room, plan + headroom - {args.short_mb} MiB "
+              "(--short-mb) when starved")
     if any(r.get("device_kind") == "simulated" and r.get("vote") == "yes" and str(
             r.get("outcome", "")).startswith(FLASHINFER_RAISED) for r in rows):
         print("  note: the vote passed, so FlashInfer's own function was called; without a GPU "
               "its error is expected here (the simulated device stands in for the probe only)")
+    print(verdict(rows, args))
+
+
+def verdict(rows, args) -> str:
+    """The report's last line: what happened, in one line of at most ``VERDICT_MAX``
+    characters."""
+    text = "verdict: " + _verdict(rows, args)
+    return text if len(text) <= VERDICT_MAX else text[:VERDICT_MAX - 3] + "..."
+
+
+def _verdict(rows, args) -> str:
+    times = [r["decision_ms"] for r in rows if isinstance(r.get("decision_ms"), (int, float))]
+    took = f" (all answered within {max(times):.0f} ms)" if times else ""
+    voted = [r for r in rows if r.get("vote") in ("yes", "no")]
+    no = [r["rank"] for r in voted if r["vote"] == "no"]
+    yes = [r["rank"] for r in voted if r["vote"] == "yes"]
+    if rows and all(r.get("rejected") for r in rows):
+        return ("FlashInfer rejects this call before allocating -> the shim let FlashInfer's "
+                "own error through on every rank")
+    if no and yes:
+        return f"SPLIT: {_who(yes)} voted yes, {_who(no)} no; the shim exists to prevent this"
+    if no:
+        who = "every rank" if len(no) == len(rows) else _who(no)
+        return (f"{_cause(rows, args)} -> no rank created the workspace; {who} took the "
+                f"non-fused path{took}")
+    if yes:
+        who = "every rank" if len(yes) == len(rows) else _who(yes)
+        if all(str(r["outcome"]).startswith("created") for r in voted):
+            return f"{who} voted yes -> {who} created the workspace{took}"
+        why = (", as expected on a simulated device" if any(
+            r.get("device_kind") == "simulated" for r in voted) else " (see above)")
+        return f"{who} voted yes -> FlashInfer's own function was called and raised{why}{took}"
+    return "no rank reported a decision (see the lines above)"
+
+
+def _who(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _cause(rows, args) -> str:
+    """Why the vote said no, from the ranks' decision lines: who was short of memory and by
+    how much (plan + headroom - free), who died or was late, else the reason codes."""
+    short = [f"rank {r['rank']} was {(r['plan_bytes'] + r['headroom_bytes'] - r['free_bytes']) / MiB:.0f} MiB short"
+             for r in rows if "OUT_OF_MEMORY" in (r.get("reasons") or []) and r.get("probe") == "no"
+             and r.get("plan_bytes", -1) >= 0 and r.get("free_bytes", -1) >= 0]
+    if short:
+        return " and ".join(short)
+    if args.die_rank is not None:
+        return f"rank {args.die_rank} exited before the vote"
+    if args.slow_rank is not None:
+        return f"rank {args.slow_rank} did not answer within the vote timeout ({args.vote_timeout:g} s)"
+    codes = sorted({c for r in rows for c in (r.get("reasons") or [])})
+    return f"the vote said no ({', '.join(codes) or 'no reason logged'})"
 
 
 def _sizes(row) -> str:
@@ -218,7 +279,7 @@ def _prepare_device(args, use_gpu: bool):
     facts = _facts.runtime_facts(SimulatedDevice(1 << 40), confidential_compute=False,
                                  world_size=ws)
     peak, rejected = _peak(req, facts, flashinfer.__version__)
-    free = max(peak + headroom_bytes - args.short_mb * MiB, 0) if starved else 80 << 30
+    free = max(peak + headroom_bytes - args.short_mb * MiB, 0) if starved else ROOM_BYTES
     _probe.set_prober(SimulatedDevice(free, device=rank))
     return headroom_bytes, "simulated", None, rejected
 
@@ -276,7 +337,7 @@ def _stay_for_peers(dist, args) -> None:
 
 class _Heard(logging.Handler):
     """Collects the shim's log records in this rank: the last decision line (parsed
-    with the documented regex) and the veto WARNING's reason."""
+    with the documented regex) and the veto WARNING's message (its ``extra=`` fields)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -289,11 +350,11 @@ class _Heard(logging.Handler):
         logger.addHandler(self)
 
     def emit(self, record) -> None:
-        text = record.getMessage()
-        if "fiws decision " in text:
-            self.lines.append(text)
-        elif record.levelno >= logging.WARNING and "vetoed" in text:
-            self.veto = text.split("on every rank: ", 1)[-1]
+        event = getattr(record, "fiws_event", None)
+        if event == "decision":
+            self.lines.append(record.getMessage())
+        elif event == "veto":
+            self.veto = str(getattr(record, "fiws_message", ""))
 
     def close(self) -> None:
         self.logger.removeHandler(self)

@@ -66,12 +66,16 @@ def _lines(text: str, needle: str) -> list:
     return [l for l in text.splitlines() if needle in l]
 
 
+VETO_END = "What to do: docs/when-it-vetoes.md"  # every veto WARNING ends so
+
+
 def test_under_vllm_the_decision_line_is_hidden_and_the_veto_warning_is_bare():
     proc = _run("vllm", debug=False)
     out = proc.stdout + proc.stderr
     assert _lines(out, "fiws decision") == []
-    (warning,) = _lines(proc.stderr, "vetoed on every rank")
-    assert warning.startswith("flashinfer_safe_workspace rank=- pid=")  # the bare message
+    (warning,) = _lines(proc.stderr, VETO_END)
+    assert warning.startswith("flashinfer_safe_workspace: this rank was ")  # the bare message
+    assert warning.endswith(VETO_END) and " rank=- pid=" in warning
     assert "VLLMFMT" not in warning
 
 
@@ -86,5 +90,6 @@ def test_under_sglang_the_decision_line_is_shown_in_its_format():
     proc = _run("sglang", debug=False)
     (line,) = _lines(proc.stderr, "fiws decision")
     assert line.startswith("[") and " TP0] fiws decision " in line and "outcome=veto" in line
-    (warning,) = _lines(proc.stderr, "vetoed on every rank")
-    assert " TP0] flashinfer_safe_workspace rank=- pid=" in warning
+    (warning,) = _lines(proc.stderr, VETO_END)
+    assert " TP0] flashinfer_safe_workspace: this rank was " in warning
+    assert warning.endswith(VETO_END) and " rank=- pid=" in warning
