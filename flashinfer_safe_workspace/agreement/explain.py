@@ -192,24 +192,22 @@ def _shortfall(cand: Candidate) -> int:
 
 
 def _shortfalls(outcome, record) -> tuple:
-    """``VetoInfo.short`` of a vetoed round: every record that said no for lack of memory,
-    or, for a rank that followed a decided abort, the ranks its register names."""
+    """``VetoInfo.short`` of a vetoed round: every record that said no for lack of memory;
+    a rank that has only the decided abort's text (it followed it, or did not read every
+    record) gets the ranks and devices it names, without the figure."""
     try:
-        verdict, records = outcome.verdict, outcome.records
-        found, pairs = [], []
+        verdict, records, pairs = outcome.verdict, outcome.records, []
         if verdict is not None and records and not verdict.commit:
             pairs = [(records[p], records[p].candidates.get(verdict.candidate))
                      for p in verdict.no + verdict.passing]
         elif record is not None and not record.is_yes():
             pairs = [(record, cand) for cand in record.candidates.values()]
-        elif outcome.followed and outcome.register is not None:
-            found = [(int(r), int(d), -1) for r, d in _OOM_AT.findall(outcome.register.why)]
-        else:
-            return ()
-        if not found:
-            found = [(rec.rank, cand.device, _shortfall(cand)) for rec, cand in pairs
-                     if cand is not None and cand.reason == _rec.OUT_OF_MEMORY
-                     and isinstance(rec.rank, int)]
+        found = [(rec.rank, cand.device, _shortfall(cand)) for rec, cand in pairs
+                 if cand is not None and cand.reason == _rec.OUT_OF_MEMORY
+                 and isinstance(rec.rank, int)]
+        register = outcome.register
+        if not found and register is not None and not register.commit:
+            found = [(int(r), int(d), -1) for r, d in _OOM_AT.findall(register.why or "")]
         first = {}  # one entry per rank (``auto`` has two candidates)
         for entry in found:
             first.setdefault(entry[0], entry)

@@ -112,7 +112,18 @@ def test_one_line_per_decision_single_rank():
 
 RANK = PRELUDE + textwrap.dedent("""
     import torch.distributed as dist
-    rank, port = int(sys.argv[1]), sys.argv[2]
+    rank, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+    class Json(logging.Formatter):  # what a JSON formatter sees: the record's fiws_ fields
+        def format(self, record):
+            out = {k: v for k, v in vars(record).items() if k.startswith("fiws_")}
+            return json.dumps(dict(out, level=record.levelname, message=record.getMessage()))
+
+    seen = []
+    collect = logging.Handler()
+    collect.setFormatter(Json())
+    collect.emit = lambda record: seen.append(json.loads(collect.format(record)))
+    logging.getLogger("flashinfer_safe_workspace").addHandler(collect)
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             init_method=f"tcp://127.0.0.1:{port}")
     import datetime
@@ -130,10 +141,14 @@ RANK = PRELUDE + textwrap.dedent("""
                 store.set("probed/0", "1")
             return result
 
-    # rank 1 cannot hold the plan (about 70 MiB) plus the gloo group's small headroom (64 MiB)
-    _probe.set_prober(Ordered(100 * MiB if rank == 1 else 80 << 30))
-    out = create(world_size=2, rank=rank)
-    print(json.dumps({"pid": os.getpid(), "out": out}), flush=True)
+    if mode == "short":
+        # rank 1 cannot hold the plan (about 70 MiB) plus the gloo group's small headroom (64 MiB)
+        _probe.set_prober(Ordered(100 * MiB if rank == 1 else 80 << 30))
+        out = create(world_size=2, rank=rank)
+    else:  # room on both, but rank 1 asks for twice the tokens
+        _probe.set_prober(SimulatedDevice(80 << 30))
+        out = create(world_size=2, rank=rank, max_token_num=1024 * (rank + 1))
+    print(json.dumps({"pid": os.getpid(), "out": out, "json": seen}), flush=True)
     store.set(f"done/{rank}", "1")  # rank 0 hosts the store: it waits for rank 1
     if rank == 0:
         store.wait(["done/0", "done/1"], datetime.timedelta(seconds=30))
@@ -147,11 +162,12 @@ def _port():
         return s.getsockname()[1]
 
 
-def test_two_ranks_each_log_their_own_line(tmp_path):
+def _two_ranks(tmp_path, mode: str) -> list:
+    """(result, stderr) of each of two real ranks running ``RANK`` in ``mode``."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     port = str(_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=_env(),
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, mode], env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     results = []
@@ -165,6 +181,14 @@ def test_two_ranks_each_log_their_own_line(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    return results
+
+
+VETO_END = "What to do: docs/when-it-vetoes.md"
+
+
+def test_two_ranks_each_log_their_own_line(tmp_path):
+    results = _two_ranks(tmp_path, "short")
     for rank, (res, err) in enumerate(results):
         assert res["out"] == "None"
         (d,) = parse_decision_lines(err)
@@ -174,3 +198,47 @@ def test_two_ranks_each_log_their_own_line(tmp_path):
         assert d["probe"] == ("no" if rank == 1 else "ok")  # but each rank's own probe
         assert d["free_bytes"] == (100 * MiB if rank == 1 else 80 << 30)
         assert d["headroom"] == "gloo" and d["headroom_bytes"] == 64 * MiB
+
+    # every rank's veto WARNING: the first sentence names rank 1, its device and how short it
+    # was, from rank 1's own line (plan + headroom - free); the fields follow; it ends with
+    # the page. Rank 0, when it read only the decided abort's text and not rank 1's record,
+    # names rank 1 and its device without the figure.
+    (short_line,) = parse_decision_lines(results[1][1])
+    short = short_line["plan_bytes"] + short_line["headroom_bytes"] - short_line["free_bytes"]
+    then = (", so no rank created FlashInfer's all-reduce workspace; every rank takes the "
+            "non-fused all-reduce path.")
+    figure = f"rank 1 was {short / MiB:.0f} MiB short on {short_line['device']}" + then
+    bare = f"rank 1 ran out of GPU memory on {short_line['device']}" + then
+    for rank, (res, err) in enumerate(results):
+        (warning,) = [l for l in err.splitlines()
+                      if l.startswith("WARNING flashinfer_safe_workspace ")]
+        assert warning == "WARNING flashinfer_safe_workspace " + res["json"][1]["message"]
+        first = res["json"][1]["fiws_summary"]
+        assert first == figure or (rank == 0 and first == bare), (rank, first)
+        assert warning.startswith(f"WARNING flashinfer_safe_workspace flashinfer_safe_workspace: "
+                                  f"{first} Fields: rank={rank} pid={res['pid']} "), warning
+        assert warning.endswith(VETO_END)
+        # the same fields on the records, as a JSON formatter reads them
+        decision, veto = res["json"]
+        (line,) = parse_decision_lines(err)
+        assert decision["fiws_event"] == "decision" and veto["fiws_event"] == "veto"
+        for name in DECISION_FIELDS:
+            assert decision["fiws_" + name] == veto["fiws_" + name] == line[name], name
+        assert veto["fiws_named"] in ([1], [])  # [] on a rank that read only the abort
+
+
+def test_two_ranks_with_different_arguments_say_which(tmp_path):
+    for rank, (res, err) in enumerate(_two_ranks(tmp_path, "mismatch")):
+        assert res["out"] == "None"
+        (warning,) = [l for l in err.splitlines()
+                      if l.startswith("WARNING flashinfer_safe_workspace ")]
+        assert warning.startswith(
+            "WARNING flashinfer_safe_workspace flashinfer_safe_workspace: ranks 0 and 1 called "
+            "with different arguments (max_token_num), so no rank created FlashInfer's "
+            "all-reduce workspace; every rank takes the non-fused all-reduce path. Fields: "
+            f"rank={rank} pid={res['pid']} "), warning
+        assert "max_token_num differs: 1024 on rank 0; 2048 on rank 1" in warning
+        assert warning.endswith(VETO_END)
+        (line,) = parse_decision_lines(err)
+        assert line["reasons"] == ["ARG_MISMATCH"]
+        assert res["json"][0]["fiws_reasons"] == ["ARG_MISMATCH"]
