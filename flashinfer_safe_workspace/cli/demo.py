@@ -153,7 +153,8 @@ def verdict(rows, args) -> str:
 
 def _verdict(rows, args) -> str:
     times = [r["decision_ms"] for r in rows if isinstance(r.get("decision_ms"), (int, float))]
-    took = f" (all answered within {max(times):.0f} ms)" if times else ""
+    took = (f" ({'all ' if len(times) == len(rows) else ''}answered within {max(times):.0f} ms)"
+            if times else "")
     voted = [r for r in rows if r.get("vote") in ("yes", "no")]
     no = [r["rank"] for r in voted if r["vote"] == "no"]
     yes = [r["rank"] for r in voted if r["vote"] == "yes"]
@@ -183,11 +184,14 @@ def _who(ranks) -> str:
 def _cause(rows, args) -> str:
     """Why the vote said no, from the ranks' decision lines: who was short of memory and by
     how much (plan + headroom - free), who died or was late, else the reason codes."""
-    short = [f"rank {r['rank']} was {(r['plan_bytes'] + r['headroom_bytes'] - r['free_bytes']) / MiB:.0f} MiB short"
-             for r in rows if "OUT_OF_MEMORY" in (r.get("reasons") or []) and r.get("probe") == "no"
+    short = [(r["rank"], r["plan_bytes"] + r["headroom_bytes"] - r["free_bytes"]) for r in rows
+             if "OUT_OF_MEMORY" in (r.get("reasons") or []) and r.get("probe") == "no"
              and r.get("plan_bytes", -1) >= 0 and r.get("free_bytes", -1) >= 0]
+    if len(short) > 2:
+        return (f"{_who([r for r, _ in short])} were short of GPU memory (up to "
+                f"{max(b for _, b in short) / MiB:.0f} MiB)")
     if short:
-        return " and ".join(short)
+        return " and ".join(f"rank {r} was {b / MiB:.0f} MiB short" for r, b in short)
     if args.die_rank is not None:
         return f"rank {args.die_rank} exited before the vote"
     if args.slow_rank is not None:

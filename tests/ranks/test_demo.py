@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from flashinfer_safe_workspace.cli import demo as demo_cli
 from flashinfer_safe_workspace.planning.plan import MiB
 from rank_lib import PLAN_BYTES
 
@@ -117,3 +118,94 @@ def test_a_call_flashinfer_rejects_is_shown_not_an_internal_error(args, rejects)
         assert "FlashInfer rejects this call before allocating" in line and rejects in line
         assert "FlashInfer was called and raised" in line, line  # its own error, on each rank
     assert "the vote passed" not in proc.stdout  # no vote said yes to a plan here
+
+
+def test_the_text_report_ends_with_a_one_line_verdict():
+    """Issue 30: the verdict sat inside two near-identical 450-character warnings. The report
+    now ends with one line of at most 160 characters that says who was short and by how much
+    (the demo leaves the starved rank --short-mb short of plan + headroom), and explains
+    [simulated] and the simulated free memory once."""
+    proc = _text_demo("--world-size", "2", "--starve-rank", "0", "--short-mb", "82",
+                      "--vote-timeout", "20")
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    lines = proc.stdout.splitlines()
+    last = lines[-1]
+    assert last.startswith("verdict: ") and len(last) <= demo_cli.VERDICT_MAX, last
+    assert last.startswith("verdict: rank 0 was 82 MiB short -> no rank created the workspace; "
+                           "every rank took the non-fused path (all answered within "), last
+    assert last.endswith(" ms)")
+    ranks = [l for l in lines if l.startswith("  rank ")]
+    assert len(ranks) == 2 and all("[simulated]" in l for l in ranks), proc.stdout
+    # the simulated device's free memory, as rank 1's line prints it, is explained once
+    room = f"free {demo_cli.ROOM_BYTES / MiB:.1f} MiB"
+    assert room in ranks[1]
+    (note,) = [l for l in lines if l.startswith("  [simulated]: ")]
+    assert f"{demo_cli.ROOM_BYTES / MiB:.1f} MiB with room" in note and "82 MiB" in note
+    (reason,) = [l for l in lines if l.startswith("  reason: ")]  # the veto's message, once
+    assert "rank 0 (cuda:0)" in reason and "CUDA_ERROR_OUT_OF_MEMORY" in reason
+
+
+def test_a_pass_ends_with_its_verdict_too():
+    proc = _text_demo("--world-size", "2", "--vote-timeout", "20")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("verdict: every rank voted yes -> ") and len(last) <= 160, last
+    ranks = [l for l in proc.stdout.splitlines() if l.startswith("  rank ")]
+    if all("FlashInfer was called and raised" in l for l in ranks):  # no CUDA here
+        assert "FlashInfer's own function was called and raised, as expected on a simulated " \
+               "device" in last, last
+
+
+def _row(rank, vote="no", **kw):
+    row = {"rank": rank, "vote": vote, "outcome": "None (vetoed)", "decision_ms": 12.3,
+           "reasons": ["OUT_OF_MEMORY"] if vote == "no" else [], "probe": "ok",
+           "plan_bytes": 134 * MiB, "headroom_bytes": 64 * MiB, "free_bytes": 80 << 30,
+           "device_kind": "simulated", "rejected": ""}
+    row.update(kw)
+    return row
+
+
+def _args(**kw):
+    from types import SimpleNamespace
+
+    base = dict(die_rank=None, slow_rank=None, vote_timeout=10.0, short_mb=64)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("rows,args,says", [
+    # the starved rank's own line gives how short it was: plan + headroom - free
+    ([_row(0, probe="no", free_bytes=100 * MiB), _row(1)], _args(),
+     "verdict: rank 0 was 98 MiB short -> no rank created the workspace; every rank took the "
+     "non-fused path (all answered within 12 ms)"),
+    ([_row(0, reasons=["ABSENT"], decision_ms=10012.0),
+      {"rank": 1, "outcome": "exited without a report", "returncode": 3}], _args(die_rank=1),
+     "verdict: rank 1 exited before the vote -> no rank created the workspace; rank 0 took the "
+     "non-fused path (answered within 10012 ms)"),
+    ([_row(0, reasons=["ABSENT"]), _row(1, reasons=["ABSENT"])], _args(slow_rank=1, vote_timeout=3),
+     "verdict: rank 1 did not answer within the vote timeout (3 s) -> no rank created the "
+     "workspace; every rank took the non-fused path (all answered within 12 ms)"),
+    ([_row(0, reasons=["CAPTURING"]), _row(1, reasons=["CAPTURING"])], _args(),
+     "verdict: the vote said no (CAPTURING) -> no rank created the workspace; every rank took "
+     "the non-fused path (all answered within 12 ms)"),
+    ([_row(0, vote="yes", outcome="created X"), _row(1, vote="yes", outcome="created X")], _args(),
+     "verdict: every rank voted yes -> every rank created the workspace (all answered within 12 ms)"),
+    ([_row(0, vote="yes", outcome="created X"), _row(1)], _args(),
+     "verdict: SPLIT: rank 0 voted yes, rank 1 no; the shim exists to prevent this"),
+    ([{"rank": r, "outcome": "x", "rejected": "Blackwell only"} for r in range(2)], _args(),
+     "verdict: FlashInfer rejects this call before allocating -> the shim let FlashInfer's own "
+     "error through on every rank"),
+])
+def test_the_verdict_of_each_kind_of_run(rows, args, says):
+    assert demo_cli.verdict(rows, args) == says
+
+
+def test_a_long_verdict_stays_within_its_line():
+    rows = [_row(r, probe="no", free_bytes=(100 + r) * MiB) for r in range(8)]
+    text = demo_cli.verdict(rows, _args())
+    assert text.startswith("verdict: ranks 0, 1, 2, 3, 4, 5, 6, 7 were short of GPU memory (up "
+                           "to 98 MiB) -> no rank created"), text
+    assert len(text) <= demo_cli.VERDICT_MAX
+    long_rows = [_row(r, reasons=[f"REASON_{r}_" + "X" * 30]) for r in range(8)]
+    text = demo_cli.verdict(long_rows, _args())
+    assert len(text) == demo_cli.VERDICT_MAX and text.endswith("..."), text
