@@ -32,21 +32,29 @@ def parse_bool(text: str) -> bool:
     raise ParseError("expected one of 1/true/yes/on or 0/false/no/off")
 
 
+def _said(bound: float) -> str:
+    """A bound as the warning says it: 1048576, 86400, 0.5 (not 1.04858e+06)."""
+    return str(int(bound)) if float(bound).is_integer() else repr(bound)
+
+
 def _number(kind: Callable[[str], Any], minimum: float, allow_zero: bool = True,
             maximum: float = math.inf):
     def parse(text: str):
+        what = "a whole number" if kind is int else "a number"
         try:
+            if not text.strip().isascii():  # int() and float() also read '𝟠' and '٨'
+                raise ValueError(text)
             value = kind(text.strip())
         except ValueError:
-            raise ParseError(f"expected a {kind.__name__}") from None
+            raise ParseError(f"expected {what} in the digits 0-9") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise ParseError("expected a finite number")
         if value < minimum or (value == 0 and not allow_zero):
             raise ParseError(
-                f"expected a number {'>' if not allow_zero else '>='} {minimum}"
+                f"expected a number {'>' if not allow_zero else '>='} {_said(minimum)}"
             )
         if value > maximum:
-            raise ParseError(f"expected at most {maximum:g}")
+            raise ParseError(f"expected at most {_said(maximum)}")
         return value
 
     return parse
@@ -221,6 +229,12 @@ def env_value(name: str) -> str | None:
 def flashinfer_confidential_compute_override() -> str | None:
     """FlashInfer's own CC override variable, read here so no other module reads the env."""
     return os.environ.get("FLASHINFER_CONFIDENTIAL_COMPUTE")
+
+
+def rendezvous() -> tuple[str | None, str | None]:
+    """torch's MASTER_ADDR and MASTER_PORT, read here so no other module reads the env
+    (the demo gives them to each rank it starts; ``_demo-rank`` needs them)."""
+    return os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
 
 
 _current: Settings | None = None

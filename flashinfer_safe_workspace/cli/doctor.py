@@ -84,7 +84,44 @@ def _pth_report() -> dict:
     }
 
 
-def _flashinfer_report(import_comm: bool) -> dict:
+def _range_words(label: str) -> str:
+    """``R10`` -> ``"R10 (0.7.4's)"``; a range of several releases names its first and
+    the next range's: ``"R9 (0.7.2.post1 up to 0.7.4)"``."""
+    from ..planning import rules
+
+    def name(key: tuple) -> str:
+        return ".".join(map(str, key[:3])) + (f".post{key[3]}" if key[3] else "")
+
+    firsts = [first for first, lab in rules.RANGES]
+    i = [lab for _, lab in rules.RANGES].index(label)
+    if i + 1 == len(firsts):
+        return f"{label} ({name(firsts[i])}'s, the newest read)"
+    return f"{label} ({name(firsts[i])} up to {name(firsts[i + 1])})"
+
+
+# What a call does with a release whose source was not read, per UNKNOWN_VERSION
+# (_decide.py, _local.py); "{rules}" is the range the release falls in.
+UNKNOWN_VERSION_DOES = {
+    "newest": "each call is planned with the rules of {rules}, probed and voted as usual",
+    "pass-through": "each call goes to FlashInfer unprotected (no plan, no probe, no vote)",
+    "veto": "every call is vetoed (reason UNKNOWN_VERSION)",
+}
+
+
+def unverified_line(version: str, label: str, setting: str) -> str:
+    """One line for a FlashInfer release whose source was not read: what it is, and what
+    each call does with it under this ``UNKNOWN_VERSION`` (``setting``)."""
+    from .. import _config
+    from ..planning import rules
+
+    default = _config.BY_NAME[f"{_config.PREFIX}_UNKNOWN_VERSION"].default
+    does = UNKNOWN_VERSION_DOES.get(setting, "?").format(rules=_range_words(label))
+    return (f"FlashInfer {version} is {rules.unverified_why(version)}, so not verified: with "
+            f"UNKNOWN_VERSION={setting}" + (" (the default)" if setting == default else "")
+            + f" {does}")
+
+
+def _flashinfer_report(import_comm: bool, unknown_version: str = "newest") -> dict:
     from ..activation import patch as _patch
     from ..planning import rules
     from ..planning.plan import Unplanned
@@ -100,8 +137,7 @@ def _flashinfer_report(import_comm: bool) -> dict:
         out["rules"] = rules.range_of(version)
         out["verified"] = not rules.is_unknown(version)
         if not out["verified"]:
-            out["note"] = (f"{rules.unverified_why(version)}: planned with the rules of "
-                           f"{out['rules']}; FLASHINFER_SAFE_WORKSPACE_UNKNOWN_VERSION decides")
+            out["note"] = unverified_line(version, out["rules"], unknown_version)
     except Unplanned as exc:
         out["note"] = str(exc)
     if import_comm:
@@ -192,7 +228,8 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
                   "imported": "wrapt" in sys.modules},
         "settings": dataclasses.asdict(settings),
     }
-    report["flashinfer"] = _flashinfer_report(import_flashinfer)  # may register the hooks
+    report["flashinfer"] = _flashinfer_report(  # may register the hooks
+        import_flashinfer, settings.unknown_version)
     report["wrapt"]["imported"] = "wrapt" in sys.modules
     report["hooks_registered"] = _bootstrap.hooks_registered
     report["cuda"] = _cuda_report()
@@ -237,12 +274,15 @@ def _why(r: dict) -> list:
                      "warnings above (wrapt missing?)")
     pth = r["pth"]
     running = [e for e in pth["files"] if e["runs_at_start"]]
-    if not running:
+    if not pth["site_enabled"]:  # the .pth may be installed fine: -S skips every one
+        lines.append("python runs with -S (the site module is off): no .pth file runs and "
+                     "site-packages is not on sys.path, so the variable cannot activate the "
+                     "shim here, and packages installed there show as not installed; run "
+                     "python without -S, or call flashinfer_safe_workspace.install() in code")
+    elif not running:
         lines.append(f"no {PTH_NAME} in a site-packages directory: the variable alone will "
                      "not activate the shim in new interpreters (reinstall the package, or "
                      "call install())")
-    elif not pth["site_enabled"]:
-        lines.append("python runs with -S: no .pth file runs, only install() activates")
     for entry in pth["files"]:
         if not entry["ok"]:
             lines.append(f"{entry['path']}: {entry['problem']}")
@@ -253,7 +293,7 @@ def _why(r: dict) -> list:
     if fi["version"] is None:
         lines.append("FlashInfer is not installed: nothing to wrap")
     elif not fi["verified"]:
-        lines.append(f"FlashInfer {fi['version']}: {fi.get('note', 'rules not verified')}")
+        lines.append(fi.get("note") or f"FlashInfer {fi['version']}: rules not verified")
     if fi.get("import_error"):
         lines.append(f"import flashinfer.comm failed: {fi['import_error']}")
     elif r["active"] and fi["imported"] and not fi["wrapped"]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Optional
 
@@ -34,13 +35,20 @@ EPILOG = ("exit codes (every command): 0 yes (plan printed, fits, every rank ans
 INT_MAX = (1 << 31) - 1  # FlashInfer's sizes are C ints
 DEMO_MAX_RANKS = 64  # local processes; more would only exhaust the machine
 DEFAULT_SHAPE = {"world_size": 2, "max_token_num": 2048, "hidden_dim": 4096}
+# plan's shape options and their defaults, in the order its shape line says them
+PLAN_DEFAULTS = {"world_size": 2, "rank": 0, "max_token_num": 2048, "hidden_dim": 4096,
+                 "dtype": "bfloat16"}
+
+
+_WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also takes '𝟠', '٨', '1_0'
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def _integer(text: str) -> int:
-    try:
-        return int(text.strip(), 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = text.strip()
+    if not _WHOLE.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number in the digits 0-9, got {text!r}")
+    return int(value, 10)
 
 
 def _whole(low: int, high: int = INT_MAX):
@@ -70,45 +78,76 @@ def _power_of_two(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not _DECIMAL.fullmatch(text.strip()):  # float() also takes 'nan', '١', '1_0'
+        raise argparse.ArgumentTypeError(f"expected seconds in the digits 0-9, got {text!r}")
+    value = float(text)
     if not 0 < value <= 86400:  # nan fails this too
         raise argparse.ArgumentTypeError(f"must be above 0 and at most 86400, got {text}")
     return value
 
 
 def _version(text: str) -> str:
-    import re
+    """A FlashInfer release as the library reads one (``versions.is_version``: PEP 440,
+    ASCII digits): 0.7.4, 0.7.2.post1, 0.7.2-1, 0.7.4rc1, 0.7.4+cu129. Whether the rules
+    were verified against it is ``plan``'s business, not the parser's."""
+    from ..planning.rules import versions
 
-    if not re.fullmatch(r"\d+(\.\d+){1,3}([.-]?(post|rc|a|b|dev)\d*)*", text.strip()):
-        raise argparse.ArgumentTypeError(f"expected a release such as 0.7.4, got {text!r}")
-    return text.strip()
+    value = text.strip()
+    if not versions.is_version(value):
+        raise argparse.ArgumentTypeError(
+            f"expected a FlashInfer release in PEP 440 spelling (such as 0.7.4, 0.7.2.post1 "
+            f"or 0.7.4+cu129, digits 0-9), got {text!r}")
+    return value
 
 
-def _add_shape(p, *, need_rank: bool = False, required_note: str = "") -> None:
-    default = (lambda name: None) if required_note else DEFAULT_SHAPE.get
+def _add_shape(p, *, need_rank: bool = False, required_note: str = "",
+               said_defaults: bool = False) -> None:
+    """The shape options. ``required_note``: no defaults (``check``); ``said_defaults``:
+    the defaults are filled in after parsing (``_fill_shape``) so that ``plan`` can say
+    which values it was not given."""
+    if required_note:
+        default, note = (lambda name: None), (lambda name: required_note)
+    elif said_defaults:
+        default = lambda name: None  # noqa: E731
+        note = lambda name: f" (default: {PLAN_DEFAULTS[name]})"  # noqa: E731
+    else:
+        default, note = PLAN_DEFAULTS.get, (lambda name: "")
     p.add_argument("--backend", default="trtllm",
                    choices=["trtllm", "mnnvl", "mnnvl-cutedsl", "auto"], help="FlashInfer backend")
     p.add_argument("--world-size", type=_whole(1), default=default("world_size"),
-                   help="ranks in the group" + required_note)
+                   help="ranks in the group" + note("world_size"))
     if need_rank:
-        p.add_argument("--rank", type=_whole(0), default=0, help="this rank (below --world-size)")
+        p.add_argument("--rank", type=_whole(0), default=0 if not said_defaults else None,
+                       help="this rank (below --world-size)"
+                       + (note("rank") if said_defaults else ""))
     p.add_argument("--max-token-num", type=_whole(1), default=default("max_token_num"),
-                   help="max_token_num of the call" + required_note)
+                   help="max_token_num of the call" + note("max_token_num"))
     p.add_argument("--hidden-dim", type=_whole(1), default=default("hidden_dim"),
-                   help="hidden_dim of the call" + required_note)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the call")
+                   help="hidden_dim of the call" + note("hidden_dim"))
+    p.add_argument("--dtype", default="bfloat16" if not said_defaults else None,
+                   choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the call" + (note("dtype") if said_defaults else ""))
+
+
+def _fill_shape(args) -> None:
+    """``plan``: the shape values not given take their defaults; ``args.defaulted`` names
+    those options, in order, for the line that says which shape was planned."""
+    args.defaulted = []
+    for name, value in PLAN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+            args.defaulted.append("--" + name.replace("_", "-"))
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose refusal is one line: the message and where the help is (the usage
     block it would print first hides the line that matters). Exit 2, as before."""
 
+    see = ""  # where the help is, when not this parser's own --help
+
     def error(self, message):
-        self.exit(CANNOT_TELL, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+        see = self.see or f"{self.prog} --help"
+        self.exit(CANNOT_TELL, f"{self.prog}: error: {message} (see: {see})\n")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -150,16 +189,30 @@ def _add_demo(sub) -> None:
 
 def _demo_rank_parser(prog: str) -> argparse.ArgumentParser:
     """``_demo-rank``: one rank of the demo, started by it; internal, so no subcommand
-    (neither ``--help`` nor an unknown command's message lists it)."""
-    hidden = _Parser(prog=f"{prog} _demo-rank")
+    (neither ``--help`` nor an unknown command's message lists it) and no help of its own."""
+    hidden = _Parser(prog=f"{prog} _demo-rank", add_help=False)
+    hidden.see = f"{prog} demo --help"
     _add_shape(hidden, need_rank=True)
+    rank = _whole(0, DEMO_MAX_RANKS - 1)
     for flag in ("--starve-rank", "--die-rank", "--slow-rank"):
-        hidden.add_argument(flag, type=int, default=None)
-    hidden.add_argument("--short-mb", type=int, default=64)
-    hidden.add_argument("--vote-timeout", type=float, default=10.0)
-    hidden.add_argument("--on-veto", default="auto")
-    hidden.add_argument("--mode", default="auto")
+        hidden.add_argument(flag, type=rank, default=None)
+    hidden.add_argument("--short-mb", type=_whole(0), default=64)
+    hidden.add_argument("--vote-timeout", type=_seconds, default=10.0)
+    hidden.add_argument("--on-veto", default="auto", choices=["auto", "none", "raise"])
+    hidden.add_argument("--mode", default="auto", choices=["auto", "gpu", "simulated"])
     return hidden
+
+
+def _demo_rank_refusal() -> str:
+    """Why ``_demo-rank`` cannot run here: '' when it has the environment ``demo`` gives
+    each rank it starts (MASTER_ADDR, and MASTER_PORT a port number)."""
+    from .. import _config
+
+    addr, port = _config.rendezvous()
+    if addr and port and re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536:
+        return ""
+    return ("an internal command of demo, which starts one per rank with MASTER_ADDR and "
+            "MASTER_PORT set; run demo instead")
 
 
 def _add_plan(sub) -> None:
@@ -168,7 +221,7 @@ def _add_plan(sub) -> None:
                       help="release to plan for (default: the installed FlashInfer)")
     plan.add_argument("--entry", default="unified", choices=["unified", "legacy"],
                       help="create_allreduce_fusion_workspace (unified) or the legacy function")
-    _add_shape(plan, need_rank=True)
+    _add_shape(plan, need_rank=True, said_defaults=True)
     plan.add_argument("--force-oneshot-support", action="store_true", help="FlashInfer's flag")
     plan.add_argument("--use-symm-dev-mem", action="store_true", help="legacy entry only")
     plan.add_argument("--facts", choices=["auto", "h200", "driver"], default="auto",
@@ -254,6 +307,8 @@ def _refusal(args) -> str:
         for k, v in DEFAULT_SHAPE.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
+    if args.command == "plan":
+        _fill_shape(args)
     if args.command == "plan" and args.entry == "legacy" and args.backend != "trtllm":
         return (f"--backend {args.backend} with --entry legacy: the legacy function has no "
                 "backend (it is trtllm's)")
@@ -275,6 +330,9 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_demo-rank"]:  # the demo's own ranks
         parser = _demo_rank_parser(prog)
+        why = _demo_rank_refusal()
+        if why:  # run by hand: one line, before any argument is read
+            parser.error(why)
         args = parser.parse_args(argv[1:])
         args.command = "_demo-rank"
     else:

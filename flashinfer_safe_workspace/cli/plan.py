@@ -79,22 +79,48 @@ def run_plan(args) -> int:
               "release (at run time FLASHINFER_SAFE_WORKSPACE_UNKNOWN_VERSION decides)",
               file=sys.stderr)
     used = _facts.describe(facts, pad_source=pad_source, source=source)
+    shape, defaulted = shape_of(args)
     if isinstance(result, _plan.PassThrough):
         if args.json:
             print(json.dumps({"flashinfer_version": version, "verified": verified,
-                              "pass_through": result.reason, "facts": used}))
+                              "pass_through": result.reason, "shape": shape,
+                              "defaults": defaulted, "facts": used}))
         else:
             print(f"no plan: FlashInfer {version} rejects this call before allocating: "
                   f"{result.reason}")
+            print("  " + format_shape(shape, defaulted))
         return 2
     if args.json:
-        print(json.dumps({**result.to_json(), "verified": verified, "facts": used}, indent=2))
+        print(json.dumps({**result.to_json(), "verified": verified, "shape": shape,
+                          "defaults": defaulted, "facts": used}, indent=2))
     else:
-        print(result.describe())
+        head, _, rest = result.describe().partition("\n")
+        print(head)
+        print("  " + format_shape(shape, defaulted))
+        if rest:
+            print(rest)
         print("  " + _facts.format_facts(used))
         if not verified:
             print(f"  not verified: FlashInfer {version} is {rules.unverified_why(version)}")
     return 0
+
+
+SHAPE = (("world_size", "world size ws="), ("rank", "rank "),
+         ("max_token_num", "max_token_num T="), ("hidden_dim", "hidden_dim H="),
+         ("dtype", "dtype "))  # (argument, its words; ws, T and H: the formulas' letters)
+
+
+def shape_of(args) -> tuple:
+    """({argument: value} of the shape planned, [the options not given, so defaulted])."""
+    return ({name: getattr(args, name) for name, _ in SHAPE},
+            list(getattr(args, "defaulted", [])))
+
+
+def format_shape(shape: dict, defaulted: list) -> str:
+    """``shape: world size ws=2, ...``, then the options that were defaults."""
+    said = ", ".join(f"{words}{shape[name]}" for name, words in SHAPE)
+    return f"shape: {said}" + (f" (defaults, not given: {', '.join(defaulted)})"
+                               if defaulted else "")
 
 
 def _request(args):

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,7 @@ BAD = [
     ("plan --entry legacy --backend mnnvl", "--entry legacy"),
     ("plan --use-symm-dev-mem", "--use-symm-dev-mem"),
     ("plan --entry bogus", "--entry"),
-    ("plan --flashinfer-version 1.2.3.4.5", "--flashinfer-version"),
+    ("plan --flashinfer-version 0.7.4postpost", "PEP 440"),
     # check
     ("check", "--default-shape"),
     ("check --world-size 2 --simulate-free-mb 100", "--max-token-num"),
@@ -242,3 +243,164 @@ def test_docs_cli_covers_the_console_script_every_command_and_exit_code():
         assert f"{script} {name}" in doc, name
     for code in _main.EXIT_CODES:
         assert re.search(rf"^\| {code} \|", doc, re.M), code
+
+
+# --------------------------------------------------------------------------- issue 30's edges
+
+
+def cli_argv(*argv: str, **env):
+    """``cli`` with the arguments as given (no splitting) and extra environment."""
+    return subprocess.run([sys.executable, "-m", "flashinfer_safe_workspace", *argv],
+                          env=clean_env(**env), capture_output=True, text=True, timeout=120)
+
+
+SPELLINGS = [  # (spelling, verified) for those the library reads; None: not a version
+    ("0.7.2-1", True),  # PEP 440's implicit post release: 0.7.2.post1
+    ("0.7.2.post1", True), ("v0.7.4", True), ("0.7.4.0", True),
+    ("0.7.4+cu129", False),  # a local build
+    ("0.7.4rc1", False), ("0.7.4.dev0", False), ("0.7.5", False), ("1.2.3.4.5", False),
+    ("0.7.4postpost", None), ("0.7.4 post1", None), ("0.7.4+", None), ("seven", None),
+]
+
+
+@pytest.mark.parametrize("spelling,verified", SPELLINGS, ids=[s for s, _ in SPELLINGS])
+def test_version_spellings_follow_the_library_s_parser(spelling, verified):
+    """Issue 30: ``0.7.4+cu129`` and ``0.7.2-1`` were refused with exit 2 (the CLI had a
+    pattern of its own); the library reads both. What the library's parser reads is
+    planned (verified only for a release whose source was read); anything else is refused
+    in one line, not described as a build."""
+    from flashinfer_safe_workspace.planning.rules import versions
+
+    proc = cli_argv("plan", "--flashinfer-version", spelling, "--json")
+    assert "Traceback" not in proc.stderr
+    if verified is None:
+        assert proc.returncode == REFUSED and proc.stdout == "", proc.stderr
+        assert "argument --flashinfer-version: expected a FlashInfer release in PEP 440" \
+            in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert "build" not in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["verified"] is verified
+        assert ("warning: FlashInfer" in proc.stderr) is (not verified), proc.stderr
+    if spelling == "0.7.2-1":  # the very plan of 0.7.2.post1
+        same = json.loads(cli_argv("plan", "--flashinfer-version", "0.7.2.post1",
+                                   "--json").stdout)
+        assert doc["rules"] == same["rules"] == "R9"
+        assert doc["allocations"] == same["allocations"]
+    assert versions.is_version(spelling) is (verified is not None)  # the parser's own answer
+
+
+def test_a_local_build_is_planned_as_unverified_as_docs_cli_says():
+    proc = cli_argv("plan", "--flashinfer-version", "0.7.4+cu129")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("FlashInfer 0.7.4+cu129 (R10)")
+    assert "not verified: FlashInfer 0.7.4+cu129 is a pre-release, development or local build" \
+        in proc.stdout
+    assert "0.7.4+cu129" in (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+
+
+def test_text_that_is_no_version_is_not_called_a_build():
+    """Issue 30: ``0.7.4postpost`` was planned and called "a pre-release, development or
+    local build". The command line refuses it; a runtime version that only the loose
+    prefix reads is said to be no PEP 440 version."""
+    from flashinfer_safe_workspace.planning.rules import versions
+
+    proc = cli_argv("plan", "--flashinfer-version", "0.7.4postpost")
+    assert proc.returncode == REFUSED and "pre-release" not in proc.stderr, proc.stderr
+    assert versions.unverified_why("0.7.4postpost") == (
+        "not a PEP 440 version (read as 0.7.4), not a release whose source was read")
+    assert versions.unverified_why("0.7.4+cu129").startswith("a pre-release, development")
+
+
+NON_ASCII = [  # each holds a digit that int() or float() reads, but not 0-9
+    ("plan", "--world-size", "\U0001d7e0"),  # MATHEMATICAL DOUBLE-STRUCK DIGIT EIGHT
+    ("plan", "--max-token-num", "\u0662\u0660\u0664\u0668"),  # Arabic-Indic 2048
+    ("plan", "--hidden-dim", "\uff14\uff10\uff19\uff16"),  # fullwidth 4096
+    ("plan", "--granularity", "\u0664\u0660\u0669\u0666"),
+    ("plan", "--flashinfer-version", "\u0660.\u0667.\u0664"),  # Arabic-Indic 0.7.4
+    ("plan", "--flashinfer-version", "0.7.\u0664"),
+    ("plan", "--world-size", "1_0"),  # int() reads 10
+    ("check", "--default-shape", "--headroom-mb", "\u0668"),
+    ("check", "--default-shape", "--device", "\u0966"),  # Devanagari 0
+    ("demo", "--vote-timeout", "\u0661\u0660"),  # float() reads 10.0
+    ("demo", "--starve-rank", "\u0661"),
+]
+
+
+@pytest.mark.parametrize("argv", NON_ASCII, ids=[a[1] + "=" + ascii(a[-1]) for a in NON_ASCII])
+def test_only_ascii_digits_are_read(argv):
+    """Issue 30: ``--world-size 𝟠`` planned 8 ranks and ``--flashinfer-version ٠.٧.٤``
+    a verified 0.7.4."""
+    proc = cli_argv(*argv)
+    assert proc.returncode == REFUSED and proc.stdout == "", (proc.stdout, proc.stderr)
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and f"argument {argv[-2]}: expected" in line, line
+    assert "0-9" in line
+
+
+def test_the_library_reads_no_digit_outside_ascii_either():
+    from flashinfer_safe_workspace.planning.plan import Unplanned
+    from flashinfer_safe_workspace.planning.rules import versions
+
+    for text in ("\u0660.\u0667.\u0664", "0.\U0001d7df.4", "0.7.2.post\u0661"):
+        assert versions.canonical(text) is None, text  # was "0.7.4": a verified release
+    with pytest.raises(Unplanned):
+        versions.parse_version("\u0660.\u0667.\u0664")
+    assert versions.parse_version("0.7.2.post\u0661") == (0, 7, 2, 0)  # the prefix only
+    assert not any(map(versions.is_version, ("\u0660.\u0667.\u0664", "0.7.2.post\u0661")))
+
+
+@pytest.mark.parametrize("argv,env", [
+    (("_demo-rank",), {}),
+    (("_demo-rank", "--help"), {}),
+    (("_demo-rank", "--rank", "0"), {"MASTER_ADDR": "127.0.0.1"}),
+    (("_demo-rank", "--help"), {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
+    (("_demo-rank", "--world-size", "\U0001d7e0"),
+     {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
+], ids=["bare", "help", "no-port", "help-in-demo-env", "non-ascii-in-demo-env"])
+def test_the_hidden_rank_command_fails_in_one_line(argv, env):
+    """Issue 30: ``_demo-rank --help`` printed 35 lines and a bare ``_demo-rank`` said
+    "internal error: KeyError: 'MASTER_ADDR' (please report it)". Run without what demo
+    gives it, it is refused in one line pointing at demo; it stays out of the help."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.setdefault(name, "")
+    proc = cli_argv(*argv, **env)
+    assert proc.returncode == REFUSED and proc.stdout == "", (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "_demo-rank: error: " in lines[0], proc.stderr
+    assert "internal error" not in lines[0] and "Error" not in lines[0]
+    assert lines[0].endswith("demo --help)")
+    assert "_demo-rank" not in cli("--help").stdout
+
+
+def test_plan_says_the_shape_it_used_and_which_values_were_defaults():
+    """Issue 30: ``plan`` without a shape planned T = 2048, H = 4096 and never said so."""
+    bare = cli_argv("plan", "--flashinfer-version", "0.7.4")
+    assert bare.returncode == 0, bare.stderr
+    lines = bare.stdout.splitlines()
+    assert lines[1] == ("  shape: world size ws=2, rank 0, max_token_num T=2048, hidden_dim "
+                        "H=4096, dtype bfloat16 (defaults, not given: --world-size, --rank, "
+                        "--max-token-num, --hidden-dim, --dtype)"), bare.stdout
+    given = cli_argv("plan", "--flashinfer-version", "0.7.4", "--max-token-num", "128",
+                     "--world-size", "4")
+    shape = next(line for line in given.stdout.splitlines() if line.startswith("  shape:"))
+    assert "ws=4" in shape and "T=128" in shape and "H=4096" in shape
+    assert shape.endswith("(defaults, not given: --rank, --hidden-dim, --dtype)"), shape
+    everything = ("--world-size", "2", "--rank", "0", "--max-token-num", "2048",
+                  "--hidden-dim", "4096", "--dtype", "bfloat16")
+    full = cli_argv("plan", "--flashinfer-version", "0.7.4", *everything)
+    assert "defaults" not in full.stdout
+    # the shape said is the shape planned: the defaults plan what the explicit values plan
+    doc = json.loads(cli_argv("plan", "--flashinfer-version", "0.7.4", "--json").stdout)
+    explicit = json.loads(cli_argv("plan", "--flashinfer-version", "0.7.4", "--json",
+                                   *everything).stdout)
+    assert doc["shape"] == explicit["shape"] == {"world_size": 2, "rank": 0,
+                                                 "max_token_num": 2048, "hidden_dim": 4096,
+                                                 "dtype": "bfloat16"}
+    assert doc["defaults"] == ["--world-size", "--rank", "--max-token-num", "--hidden-dim",
+                               "--dtype"] and explicit["defaults"] == []
+    assert doc["allocations"] == explicit["allocations"]
+    rejected = cli_argv("plan", "--flashinfer-version", "0.5.0", "--hidden-dim", "512")
+    assert rejected.returncode == REFUSED and "  shape: " in rejected.stdout
+    assert "H=512" in rejected.stdout

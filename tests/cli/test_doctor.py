@@ -316,3 +316,83 @@ def test_a_device_where_calls_pass_is_not_every_call_vetoed(monkeypatch):
                           unknown_version="veto")
     assert r["flashinfer"]["verified"] is False
     assert "UNKNOWN_VERSION" in r["vetoes_every_call"][0]
+
+
+# --------------------------------------------------------------------------- issue 30
+
+
+def _fake_flashinfer_release(folder, release: str) -> str:
+    """A folder whose only content is flashinfer-python's metadata for ``release``: first on
+    PYTHONPATH, it is the FlashInfer version doctor reads (with --no-import)."""
+    info = folder / f"flashinfer_python-{release}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flashinfer-python\n"
+                                   f"Version: {release}\n")
+    return str(folder)
+
+
+@pytest.mark.parametrize("setting,does", [
+    (None, "with UNKNOWN_VERSION=newest (the default) each call is planned with the rules of "
+           "R10 (0.7.4's, the newest read), probed and voted as usual"),
+    ("pass-through", "with UNKNOWN_VERSION=pass-through each call goes to FlashInfer "
+                     "unprotected (no plan, no probe, no vote)"),
+    ("veto", "with UNKNOWN_VERSION=veto every call is vetoed (reason UNKNOWN_VERSION)"),
+])
+def test_a_newer_release_not_read_is_said_in_one_line(tmp_path, setting, does):
+    """Issue 30: FlashInfer 0.7.5 is out but was not read. doctor says in one line that it
+    is not verified and what each call does with it under this UNKNOWN_VERSION."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [
+        _fake_flashinfer_release(tmp_path, "0.7.5"), os.environ.get("PYTHONPATH")]))}
+    if setting is not None:
+        env[f"{VAR}_UNKNOWN_VERSION"] = setting
+    rc, r = doctor_json("--no-import", **env)
+    fi = r["flashinfer"]
+    assert (fi["version"], fi["rules"], fi["verified"]) == ("0.7.5", "R10", False)
+    said = [line for line in r["why"] if line.startswith("FlashInfer 0.7.5")]
+    assert said == [f"FlashInfer 0.7.5 is newer than the newest release mirrored (0.7.4), so "
+                    f"not verified: {does}"], r["why"]
+    text = doctor("--no-import", **env).stdout
+    assert "  FlashInfer: 0.7.5, rules R10, verified no (newest mirrored 0.7.4)" in text
+    assert "  - FlashInfer 0.7.5 is newer than the newest release mirrored (0.7.4)" in text
+
+
+def test_limits_print_as_integers_and_the_warnings_read_as_english():
+    """Issue 30: a limit printed as "expected at most 1.04858e+06" and a warning read
+    "expected a int"."""
+    proc = doctor("--no-import", **{f"{VAR}_HEADROOM_MB": "99999999",
+                                    f"{VAR}_VOTE_TIMEOUT": "1e9", f"{VAR}_CREATE_TIMEOUT": "x"})
+    err = proc.stderr
+    assert f"ignoring {VAR}_HEADROOM_MB='99999999' (expected at most 1048576)" in err, err
+    assert f"ignoring {VAR}_VOTE_TIMEOUT='1e9' (expected at most 86400)" in err, err
+    assert f"ignoring {VAR}_CREATE_TIMEOUT='x' (expected a number in the digits 0-9)" in err
+    word = doctor("--no-import", **{f"{VAR}_HEADROOM_MB": "lots"}).stderr
+    assert f"{VAR}_HEADROOM_MB='lots' (expected a whole number in the digits 0-9)" in word, word
+    for text in (err, word):
+        assert "e+0" not in text and " a int" not in text and " a float" not in text
+
+
+def test_environment_numbers_take_ascii_digits_only():
+    """Issue 30's rule for numbers, on the variables doctor reports: int() and float() read
+    '٨' and '𝟠'; the settings do not."""
+    rc, r = doctor_json("--no-import", **{f"{VAR}_HEADROOM_MB": "\u0668",
+                                          f"{VAR}_VOTE_TIMEOUT": "\U0001d7e0"})
+    assert r["settings"]["headroom_mb"] == "auto" and r["settings"]["vote_timeout"] == 120.0
+
+
+def test_under_python_dash_s_the_advice_is_about_dash_s():
+    """Issue 30: under ``python -S`` doctor advised "reinstall the package": the .pth is
+    installed, but with site off no .pth runs. It says so, and what to do instead."""
+    import flashinfer_safe_workspace
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(flashinfer_safe_workspace.__file__)))
+    proc = subprocess.run([sys.executable, "-S", "-m", "flashinfer_safe_workspace", "doctor",
+                           "--no-import", "--json"],
+                          env=_env(**{VAR: "1", "PYTHONPATH": home, "PYTHONSAFEPATH": "1"}),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    r = json.loads(proc.stdout)
+    assert proc.returncode == 1 and r["pth"]["site_enabled"] is False, proc.stderr
+    assert not any("reinstall" in line for line in r["why"]), r["why"]
+    dash_s = [line for line in r["why"] if "-S" in line]
+    assert len(dash_s) == 1, r["why"]
+    assert "no .pth file runs" in dash_s[0] and "run python without -S" in dash_s[0]
+    assert "install()" in dash_s[0]

@@ -41,8 +41,16 @@ _PEP440 = re.compile(
     r"(?P<pre>[-_.]?(?:a|b|c|rc|alpha|beta|pre|preview)[-_.]?\d*)?"
     r"(?:-(?P<implicit>\d+)|[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
     r"(?P<dev>[-_.]?dev[-_.]?\d*)?"
-    r"(?P<local>\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?\s*$", re.IGNORECASE)
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?post(\d+))?")
+    r"(?P<local>\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?\s*$", re.IGNORECASE | re.ASCII)
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?post(\d+))?", re.ASCII)
+# re.ASCII: digits are 0-9 only (without it \d takes '٧' and '𝟠', and IGNORECASE takes the
+# Kelvin sign for k); int() would read those too.
+
+
+def is_version(text: str) -> bool:
+    """``text`` is a version in PEP 440 spelling, as ``parse_version`` reads it exactly
+    (not through its loose prefix): what the command line accepts."""
+    return _PEP440.match(str(text)) is not None
 
 
 def parse_version(text: str) -> tuple:
@@ -122,6 +130,9 @@ def unverified_why(version: str) -> str:
     """What ``version`` is, when ``is_unknown``: a few words to follow "FlashInfer X is"."""
     if parse_version(version)[:3] > NEWEST[:3]:
         return f"newer than the newest release mirrored ({'.'.join(map(str, NEWEST[:3]))})"
+    if not is_version(version):  # read through the loose prefix only
+        release = ".".join(map(str, parse_version(version)[:3]))
+        return f"not a PEP 440 version (read as {release}), not a release whose source was read"
     if canonical(version) is None:
         return "a pre-release, development or local build, not a release whose source was read"
     return "a release whose source was not read"
