@@ -1,0 +1,242 @@
+"""One rank's decision of one round, with no I/O: events in, store operations out.
+
+A round is the i-th creation call on one rank set of one default group (``positions``),
+the same i on every rank whatever call each rank makes. Its keys, under the prefix
+``fiws/<generation>/<ranks>/<i>/``:
+
+=====  =================================================================================
+``r``  every rank's record, one line each (``append``: one-way, ordered before its add)
+``n``  the count of yes: a rank that says yes adds 1 (a rank that says no adds nothing)
+``d``  the register: written once with ``compare_set(d, "", value)``; the first write wins
+       and every rank answers with what it holds
+``o``  the count-out: each rank adds 1 once it has its answer; the add that reaches the
+       size deletes the round's keys (every rank has read the register by then)
+=====  =================================================================================
+
+A yes rank appends its record and adds 1 (one round trip). The add that completes the
+count (every rank said yes: a no never adds) reads every record (one) and writes the
+register (one): commit only if every record is a yes to this very call, else an abort
+naming why. Every other yes rank waits for the register (one) and reads it (one). A no
+rank appends and writes its abort at once (one). At its deadline a rank still without an answer writes an abort
+(one); whichever write came first is every rank's answer. A rank whose last write is not
+answered by its deadline plus the grace is in doubt: it vetoes, and says so.
+
+:class:`Core` holds one rank's state and is immutable: each event returns the next core
+and the operations to run, so the production driver (``driver``) and the explicit-state
+checker (``tests/model``) run the very same transitions. It reads no clock (the time
+comes with each event), starts no thread and imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+COMMIT, PASS, ABORT = "commit", "pass", "abort"  # a register's outcomes (``Codec.outcome``)
+DOUBT = "doubt"  # this rank's answer when its last write was not answered in time
+
+# phases of one rank's decision
+NEW, COUNT, READ, WRITE, WAIT, FETCH, DONE = "new", "count", "read", "write", "wait", "fetch", "done"
+# what a reply answers (``Op.tag``)
+T_COUNT, T_READ, T_WRITE, T_WAIT, T_FETCH, T_ABORT, T_OUT = (
+    "count", "read", "write", "wait", "fetch", "abort", "out")
+KEYS = ("r", "n", "d", "o")  # a round's keys, in the order the last rank out deletes them
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One store operation. ``kind``: ``append`` (one-way, no reply), ``add`` (the new
+    count), ``cas`` (``compare_set``: the value the key holds afterwards), ``get`` (the
+    value, or None when the key is missing: never a blocking read), ``wait`` (returns once
+    the key may exist: the store also wakes it when the key is read or deleted),
+    ``delete``. ``line``:
+    ``wait`` for the blocking wait and the read after it, ``main`` for the rest."""
+
+    kind: str
+    key: str
+    value: str = ""  # append: the text; cas: the desired value
+    n: int = 0  # add
+    tag: str = ""  # what the reply answers ("": nothing waits for it)
+    line: str = "main"
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """What the core needs to know of the values, as pure functions (the production one
+    is ``verdict.CODEC``; the checker has a small one of its own).
+
+    ``verdict(payloads)``: the register text for a round where every record says yes to
+    one call (commit, pass, or an abort by a cross-rank check); ``refuse(payloads, why)``:
+    an abort's text for a round that cannot commit; ``outcome(text)``: COMMIT, PASS or
+    ABORT (an unreadable text is an ABORT)."""
+
+    verdict: Callable[[list], str]
+    refuse: Callable[[list, str], str]
+    outcome: Callable[[str], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one rank's decision is made of, fixed for its life."""
+
+    prefix: str  # "fiws/<generation>/<ranks>/<position>/"
+    size: int  # ranks in the set
+    me: int  # this rank's position in the set
+    yes: bool  # this rank's own answer
+    call: str  # the call's identity: every rank of a commit has the same
+    payload: str  # this rank's record as text (no newline, no tab)
+    deadline: float  # when this rank writes its own abort (seconds, the driver's clock)
+    grace: float  # how long after the deadline its last write may take
+    texts: tuple  # the abort texts of (this rank's no, its deadline, an interrupt)
+    codec: Codec
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def line(self) -> str:
+        return f"{self.me} {'y' if self.yes else 'n'} {self.call}\t{self.payload}\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Core:
+    """One rank's decision of one round (immutable; every event returns the next one)."""
+
+    setup: Setup
+    phase: str = NEW
+    aborting: bool = False  # this rank's own abort (deadline, interrupt) is on its way
+    abort_at: float = 0.0  # when it went: its answer is due by then plus the grace
+    register: Optional[str] = None  # what the register held when this rank learned it
+    answer: Optional[str] = None  # COMMIT, PASS, ABORT or DOUBT, once decided
+    decider: bool = False  # this rank's own write is what the register holds
+    proposed: tuple = ()  # the register texts this rank wrote (the first write wins)
+    seen: tuple = ()  # the records' payloads this rank read (the count completer)
+
+    # -- events
+
+    def start(self) -> tuple:
+        """This rank arrives: its record, and its count (yes) or its abort (no)."""
+        s = self.setup
+        if self.phase != NEW:
+            return self, []
+        append = Op("append", s.key("r"), s.line())
+        if s.yes:
+            return self._to(COUNT), [append, Op("add", s.key("n"), n=1, tag=T_COUNT)]
+        core, ops = self._write(s.texts[0])
+        return core, [append, *ops]
+
+    def on_reply(self, tag: str, value) -> tuple:
+        """The reply of the operation tagged ``tag``; after the answer only the count-out's
+        reply matters (the rank that completes it deletes the round's keys)."""
+        if self.answer is not None:
+            if tag == T_OUT and int(value) >= self.setup.size:
+                return self, [Op("delete", self.setup.key(k)) for k in KEYS]
+            return self, []
+        handler = _HANDLERS.get((self.phase, tag)) or (Core._decided if tag == T_ABORT else None)
+        return handler(self, value) if handler is not None else (self, [])
+
+    def on_tick(self, now: float) -> tuple:
+        """Time passed: at its deadline this rank writes its own abort (a rank stopped past
+        its deadline writes it when it runs again); its answer is due the grace after
+        that, and without one it is in doubt."""
+        s = self.setup
+        if self.answer is not None or self.phase == NEW:
+            return self, []
+        if self.aborting and now >= self.abort_at + s.grace:  # the count-out lands if the
+            return self._to(DONE, answer=DOUBT), [self._out()]  # store answers again
+        if now >= s.deadline and not self.aborting:
+            return self._abort(s.texts[1], now)
+        return self, []
+
+    def on_interrupt(self, now: float) -> tuple:
+        """Ctrl-C or an error of ours mid-round: write the abort (the caller does not wait
+        for the answer)."""
+        if self.answer is not None or self.aborting:
+            return self, []
+        return self._abort(self.setup.texts[2], now)
+
+    def wake_at(self) -> Optional[float]:
+        """When ``on_tick`` must next be called (None: decided)."""
+        if self.answer is not None or self.phase == NEW:
+            return None
+        return self.abort_at + self.setup.grace if self.aborting else self.setup.deadline
+
+    # -- transitions
+
+    def _to(self, phase: str, **changes) -> "Core":
+        return dataclasses.replace(self, phase=phase, **changes)
+
+    def _abort(self, text: str, now: float) -> tuple:
+        return (dataclasses.replace(self, aborting=True, abort_at=now,
+                                    proposed=self.proposed + (text,)),
+                [Op("cas", self.setup.key("d"), text, tag=T_ABORT)])
+
+    def _counted(self, c) -> tuple:
+        s = self.setup
+        if int(c) == s.size:  # every rank said yes, this one last: decide
+            return self._to(READ), [Op("get", s.key("r"), tag=T_READ)]
+        return self._to(WAIT), [Op("wait", s.key("d"), tag=T_WAIT, line="wait")]
+
+    def _read(self, blob) -> tuple:
+        """Every rank's yes is in (each appended its record before it added): commit only
+        if every record is for this very call."""
+        s = self.setup
+        heads, payloads = _parse(blob)
+        if any(call != s.call for _, _, call in heads):
+            text = s.codec.refuse(payloads, "ranks called with different arguments")
+        else:
+            text = s.codec.verdict(payloads)
+        core, ops = self._write(text)
+        return dataclasses.replace(core, seen=tuple(payloads)), ops
+
+    def _write(self, text: str) -> tuple:
+        return (self._to(WRITE, proposed=self.proposed + (text,)),
+                [Op("cas", self.setup.key("d"), text, tag=T_WRITE)])
+
+    def _woken(self, _value) -> tuple:
+        return self._to(FETCH), [Op("get", self.setup.key("d"), tag=T_FETCH, line="wait")]
+
+    def _fetched(self, value) -> tuple:
+        if value is None:  # woken by a read or a deletion of the missing register: wait on
+            return self._to(WAIT), [Op("wait", self.setup.key("d"), tag=T_WAIT, line="wait")]
+        return self._decided(value)
+
+    def _written(self, held) -> tuple:
+        return self._decided(held)
+
+    def _decided(self, held) -> tuple:
+        text = held.decode(errors="replace") if isinstance(held, (bytes, bytearray)) else str(held)
+        outcome = self.setup.codec.outcome(text)
+        if outcome != ABORT and not self.setup.yes:  # never reached (a commit needs every
+            outcome = ABORT  # rank's yes); a rank that said no never creates
+        return (self._to(DONE, register=text, answer=outcome, decider=text in self.proposed),
+                [self._out()])
+
+    def _out(self) -> Op:
+        return Op("add", self.setup.key("o"), n=1, tag=T_OUT)
+
+
+_HANDLERS = {
+    (COUNT, T_COUNT): Core._counted,
+    (READ, T_READ): Core._read,
+    (WRITE, T_WRITE): Core._written,
+    (WAIT, T_WAIT): Core._woken,
+    (FETCH, T_FETCH): Core._fetched,
+}
+
+
+def _parse(blob) -> tuple:
+    """``([(position, flag, call)], [payload])`` of a round's record lines; a line that
+    does not parse has position -1."""
+    if isinstance(blob, (bytes, bytearray)):
+        blob = bytes(blob).decode(errors="replace")
+    heads, payloads = [], []
+    for line in (blob or "").split("\n"):
+        if not line:
+            continue
+        head, _, payload = line.partition("\t")
+        parts = head.split(" ")
+        ok = len(parts) == 3 and parts[0].isascii() and parts[0].isdigit()
+        pos = int(parts[0]) if ok else -1
+        heads.append((pos, parts[1] if len(parts) == 3 else "?", parts[-1]))
+        payloads.append(payload)
+    return heads, payloads

@@ -1,0 +1,96 @@
+"""Which round a call is: its position on its rank set, under its group's generation.
+
+FlashInfer's creation is itself a collective: a correct engine makes the same creation
+calls in the same order on every rank of a group, as NCCL pairs its operations. So the
+i-th call this process makes on a rank set is round i, on every rank of the set, whatever
+the call is; a cached veto or a pass-through takes its position too, without a store
+operation. The round's keys carry the default group's generation on its store, so nothing
+of an earlier group on the same store (``init_process_group(store=...)`` again) reaches a
+later one: ``fiws/<generation>/<ranks>/<position>/``.
+
+The generation: every rank of every default group adds 1 to ``fiws/worlds`` once (when the
+shim first meets the group: at ``install()`` where a group exists, else at its first
+decision), so the ranks of the g-th group on one store read ``g*size+1 .. g*size+size``.
+Where a rank of an earlier group never met the shim, the counts of later groups are
+shifted and their ranks' rounds do not meet: every call of that group is vetoed at its
+vote timeout (never created on some ranks only). docs/agreement.md says when this can
+happen.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+from . import store as _store
+
+WORLDS_KEY = "fiws/worlds"
+
+
+def prefix(generation: int, members: str, position: int) -> str:
+    """The keys of one round: the same text on every rank of the round."""
+    return f"fiws/{generation}/{members}/{position}/"
+
+
+class Group:
+    """One default group in this process: its generation on the store and the next
+    position of each rank set. Made anew for a new default group and after fork."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next: dict = {}  # rank-set key -> the position of its next call
+        self.generation: Optional[int] = None
+        self._pending = None  # the store operation reading the generation, once submitted
+
+    def take(self, set_key: str) -> int:
+        """The position of this call on the rank set (every call takes one)."""
+        with self._lock:
+            pos = self._next.get(set_key, 0)
+            self._next[set_key] = pos + 1
+            return pos
+
+    def start_generation(self, line, size: int):
+        """Submit the one ``add`` that numbers this group on its store (once); the
+        store operation (``StoreLine.submit``'s), or None once the generation is known."""
+        with self._lock:
+            if self.generation is not None:
+                return None
+            if self._pending is None:
+                def count(s, group=self):
+                    value = int(s.add(WORLDS_KEY, 1))
+                    with group._lock:
+                        group.generation = (value - 1) // max(size, 1)
+                    return group.generation
+                self._pending = line.submit(count)
+            return self._pending
+
+    def generation_by(self, line, size: int, deadline: float) -> int:
+        """The generation, read from the store if no head start did (bounded by
+        ``deadline``: ``store.StoreTimeout``; a store error is raised as it is)."""
+        op = self.start_generation(line, size)
+        if op is not None:
+            _store.wait_op(op, deadline)
+            if self.generation is None:  # the add failed: try again at the next call
+                with self._lock:
+                    self._pending = None
+                raise _store.StoreUnavailable("the group's generation could not be read: "
+                                              f"{_store.short(op.error) if op.error else '?'}")
+        return self.generation
+
+
+GROUP = Group()
+
+
+def current() -> Group:
+    return GROUP
+
+
+def _start_anew():
+    global GROUP
+    GROUP = Group()
+
+
+_store.on_new_world(_start_anew)  # a new default group: its own generation and positions
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_start_anew)

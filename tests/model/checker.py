@@ -1,0 +1,170 @@
+"""An explicit-state checker over the model (``system``): breadth-first over every
+interleaving of a small scenario, with *always* properties checked on every state reached
+and *sometimes* properties that some state must reach (so that the search cannot skip a
+branch silently: the vocabulary of Antithesis and Stateright).
+
+Always:
+
+- ``agreement``: no round is created on one rank and vetoed by the register on another
+  (a rank in doubt is counted below, not here);
+- ``valid``: a round is created only where every rank's call at that position says yes,
+  to one and the same call;
+- ``doubt only when the store stopped``: a rank answers "in doubt" only in a history
+  where the store stopped answering;
+- ``bounded``: every answer comes within T + grace of the call's start, or within the
+  grace of the rank's resumption when it was paused;
+- ``terminates``: in a state with no step left, every rank that did not crash has answered
+  every call;
+- ``clean-up``: in such a final state, a round that every rank answered from the store
+  (none crashed, none answered from its cache) has left no key behind;
+- ``clean rounds are created``: in such a final state, a round where every rank said yes
+  to the same call, all started within T of each other, none crashed or was paused in it
+  and the store answered throughout, is created on every rank, whatever came before it.
+
+Sometimes: ``commit``, ``abort by no``, ``abort by mismatch``, ``abort by timeout``, ``a
+late rank follows a decided register``, ``in doubt`` (where the scenario can reach them).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+from . import system as S
+
+SOMETIMES = ("commit", "abort by no", "abort by mismatch", "abort by timeout",
+             "a late rank follows a decided register", "in doubt")
+
+
+@dataclasses.dataclass
+class Result:
+    scenario: str
+    states: int = 0
+    finals: int = 0
+    seconds: float = 0.0
+    violations: list = dataclasses.field(default_factory=list)  # (property, trace)
+    seen: set = dataclasses.field(default_factory=set)  # sometimes properties reached
+
+
+def rounds(sc: S.Scenario, state: S.State) -> dict:
+    """``{(group, position): {rank: Answer}}`` of the answers so far."""
+    out: dict = collections.defaultdict(dict)
+    for r, rank in enumerate(state.ranks):
+        for a in rank.answers:
+            out[(a.group, a.pos)][r] = a
+    return out
+
+
+def _call(sc: S.Scenario, r: int, group: int, pos: int):
+    groups = sc.calls[r]
+    if group < len(groups) and pos < len(groups[group]):
+        return groups[group][pos]
+    return None
+
+
+def _clean_calls(calls) -> bool:
+    return all(c is not None and c.yes and not c.skip for c in calls) and \
+        len({c.ident for c in calls}) == 1
+
+
+def always(sc: S.Scenario, state: S.State) -> list:
+    """The always properties that a single state can break: their names."""
+    bad = []
+    for (g, p), answers in rounds(sc, state).items():
+        got = {a.answer for a in answers.values()}
+        if "commit" in got and "abort" in got:
+            bad.append(f"agreement at {(g, p)}: {answers}")
+        if "commit" in got and not _clean_calls([_call(sc, r, g, p) for r in range(sc.size)]):
+            bad.append(f"valid at {(g, p)}: created over calls "
+                       f"{[_call(sc, r, g, p) for r in range(sc.size)]}")
+        for r, a in answers.items():
+            if a.answer == "doubt" and not a.stopped:
+                bad.append(f"doubt only when the store stopped: rank {r} at {(g, p)}")
+            if not a.on_time:
+                bad.append(f"bounded: rank {r} at {(g, p)} answered late")
+    return bad
+
+
+def final(sc: S.Scenario, state: S.State) -> list:
+    """The properties of a state with no step left."""
+    bad = []
+    for r, rank in enumerate(state.ranks):
+        if rank.status != "crashed" and not S.finished(sc, r, rank):
+            bad.append(f"terminates: rank {r} is still in {rank.current} at {state.now}")
+    if any(rank.status == "crashed" for rank in state.ranks):
+        return bad
+    keys = {k for k, _ in state.store}
+    for (g, p), answers in rounds(sc, state).items():
+        if len(answers) == sc.size and all(a.answer != "skip" for a in answers.values()):
+            left = sorted(k for k in keys if k.startswith(S.prefix(g, S.MEMBERS, p)))
+            if left:
+                bad.append(f"clean-up: {(g, p)} left {left}")
+    for (g, p), answers in rounds(sc, state).items():
+        if not _clean_calls([_call(sc, r, g, p) for r in range(sc.size)]):
+            continue
+        if len(answers) != sc.size or any(a.paused or a.stopped for a in answers.values()):
+            continue
+        starts = [a.start for a in answers.values()]
+        if max(starts) >= min(starts) + sc.t:
+            continue
+        if {a.answer for a in answers.values()} != {"commit"}:
+            bad.append(f"clean rounds are created: {(g, p)} answered {answers}")
+    return bad
+
+
+def sometimes(state: S.State) -> set:
+    out = set()
+    for rank in state.ranks:
+        for a in rank.answers:
+            if a.answer == "commit":
+                out.add("commit")
+            elif a.answer == "doubt":
+                out.add("in doubt")
+            elif a.answer == "abort" and a.cause in ("no", "mismatch", "timeout"):
+                out.add(f"abort by {a.cause}")
+            if a.late and a.answer in ("commit", "abort"):
+                out.add("a late rank follows a decided register")
+    return out
+
+
+def explore(sc: S.Scenario, limit: int = 2_000_000, key: Callable = S.key) -> Result:
+    """Every state reachable from the scenario's start, breadth first."""
+    t0 = time.perf_counter()
+    res = Result(sc.name)
+    start = S.initial(sc)
+    parent: dict = {key(start): None}
+    queue = collections.deque([start])
+    while queue:
+        state = queue.popleft()
+        res.states += 1
+        if res.states > limit:
+            res.violations.append(("limit", f"more than {limit} states"))
+            break
+        bad = always(sc, state)
+        res.seen |= sometimes(state)
+        nexts = S.successors(sc, state)
+        if not nexts:
+            res.finals += 1
+            bad += final(sc, state)
+        if bad:
+            res.violations.append((bad[0], _trace(parent, key, state)))
+            break
+        for action, nxt in nexts:
+            k = key(nxt)
+            if k in parent:
+                continue
+            parent[k] = (key(state), action)
+            queue.append(nxt)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _trace(parent: dict, key: Callable, state: S.State) -> list:
+    """The actions from the start to ``state``."""
+    out, k = [], key(state)
+    while parent.get(k) is not None:
+        k, action = parent[k]
+        out.append(action)
+    return out[::-1]

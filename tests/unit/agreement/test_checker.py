@@ -1,0 +1,139 @@
+"""Every interleaving of the agreement's core, small: 2 and 3 ranks, up to 3 calls per
+rank, one fault class at a time (tests/model/scenarios.py), explored breadth-first by
+tests/model/checker.py over the package's own ``agreement.core.Core``.
+
+The state counts are pinned: a change of the core or of the model that makes the search
+reach more or fewer states fails here, and must be looked at (and the counts updated in
+the same commit, with why). Each scenario also names what it must be able to reach
+(*sometimes*), and together they reach every outcome, so no branch is skipped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flashinfer_safe_workspace.agreement import core as C
+from model import checker as K
+from model import scenarios as SC
+from model import system as S
+
+# scenario name -> (states visited, final states, what it must reach)
+PINNED = {
+    "two ranks: every rank says yes, three calls": (215, 1, {"commit"}),
+    "two ranks: a no, then two clean calls": (339, 2, {"commit", "abort by no"}),
+    "two ranks: mismatched arguments, then two clean calls": (215, 1, {"commit", "abort by mismatch"}),
+    "two ranks: rank 0 calls 1000 then 1024, rank 1 calls 1024 then 1024": (
+        133, 1, {"commit", "abort by mismatch"}),
+    "two ranks: rank 0 makes one call more than rank 1": (
+        157, 1, {"commit", "abort by mismatch", "abort by timeout"}),
+    "two ranks: rank 1 arrives after rank 0's deadline": (
+        79, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+    "two ranks: either crashes at any step": (1563, 79, {"commit", "abort by timeout"}),
+    "two ranks: either is paused past the vote timeout": (
+        2069, 19, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+    "two ranks: the store stops for less than the grace, or past every deadline": (
+        12616, 103, {"commit", "abort by timeout", "in doubt"}),
+    "two ranks: rank 0 answers its first call from its veto cache": (
+        322, 3, {"commit", "abort by timeout"}),
+    "two ranks: a new group on the same store after a round only rank 0 made": (
+        207, 1, {"commit", "abort by timeout"}),
+    "two ranks: a new group on the same store after a no, with a no": (
+        379, 4, {"commit", "abort by no"}),
+    "two ranks: an outsider reads a missing register (a spurious wake-up)": (296, 2, {"commit"}),
+    "three ranks: every rank says yes, three calls": (4507, 1, {"commit"}),
+    "three ranks: a no and a mismatch, then two clean calls": (13798, 4, {"commit", "abort by no"}),
+    "three ranks: rank 2 arrives after the others' deadlines": (
+        421, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+    "three ranks: any one crashes at any step": (3453, 157, {"commit", "abort by timeout"}),
+    "three ranks: any one is paused past the vote timeout": (4425, 10, {"commit", "abort by timeout"}),
+    "three ranks: the store stops for less than the grace, or past every deadline": (
+        12888, 33, {"commit", "in doubt"}),
+    "three ranks: rank 0 makes one call more, rank 1 answers from its cache": (
+        522, 8, {"abort by timeout", "a late rank follows a decided register"}),
+}
+
+
+def test_every_scenario_is_pinned():
+    assert [sc.name for sc in SC.SCENARIOS] == list(PINNED)
+
+
+@pytest.mark.parametrize("sc", SC.SCENARIOS, ids=[sc.name for sc in SC.SCENARIOS])
+def test_every_interleaving_keeps_the_promise(sc):
+    res = K.explore(sc)
+    assert res.violations == [], res.violations[0]
+    states, finals, reach = PINNED[sc.name]
+    assert (res.states, res.finals) == (states, finals)
+    assert reach <= res.seen, f"never reached: {reach - res.seen}"
+
+
+def test_together_the_scenarios_reach_every_outcome():
+    seen = set()
+    for sc in SC.SCENARIOS:
+        seen |= PINNED[sc.name][2]
+    assert seen == set(K.SOMETIMES)
+
+
+# -- the checker is not vacuous: a core broken in each of the ways that matter fails it
+
+
+def _violated(sc) -> str:
+    res = K.explore(sc)
+    assert res.violations, "the broken core passed"
+    return res.violations[0][0]
+
+
+def test_a_commit_before_every_yes_is_in_is_caught(monkeypatch):
+    def counted(self, c):  # decides one arrival early
+        if int(c) >= self.setup.size - 1:
+            return self._to(C.READ), [C.Op("get", self.setup.key("r"), tag=C.T_READ)]
+        return self._to(C.WAIT), [C.Op("wait", self.setup.key("d"), tag=C.T_WAIT, line="wait")]
+    monkeypatch.setitem(C._HANDLERS, (C.COUNT, C.T_COUNT), counted)
+    assert _violated(SC.TWO[1]).split(" ")[0] in ("valid", "agreement")
+
+
+def test_a_commit_over_different_calls_is_caught(monkeypatch):
+    def read(self, blob):  # no comparison of the calls
+        return self._write(self.setup.codec.verdict([]))
+    monkeypatch.setitem(C._HANDLERS, (C.READ, C.T_READ), read)
+    assert _violated(SC.TWO[3]).startswith("valid")
+
+
+def test_a_register_that_is_not_followed_is_caught(monkeypatch):
+    def decided(self, held):  # a rank answers with what it wrote, not what the register holds
+        return C.Core._decided(self, self.proposed[-1] if self.proposed else held)
+    monkeypatch.setitem(C._HANDLERS, (C.WRITE, C.T_WRITE), decided)
+    assert _violated(SC.TWO[5]).startswith(("agreement", "clean rounds"))
+
+
+def test_a_deadline_that_never_fires_is_caught(monkeypatch):
+    monkeypatch.setattr(C.Core, "on_tick", lambda self, now: (self, []))
+    assert _violated(SC.TWO[4]).startswith(("terminates", "bounded"))
+
+
+def test_keys_without_the_generation_are_caught(monkeypatch):
+    monkeypatch.setattr(S, "prefix", lambda generation, members, position: f"fiws/{members}/{position}/")
+    assert _violated(SC.TWO[10]).startswith(("clean rounds", "agreement", "valid"))
+
+
+def test_a_trace_names_the_steps_to_the_violation(monkeypatch):
+    monkeypatch.setattr(C.Core, "on_tick", lambda self, now: (self, []))
+    res = K.explore(SC.TWO[4])
+    trace = res.violations[0][1]
+    assert trace[0].startswith("start ") and any(step.startswith("serve ") for step in trace)
+
+
+def test_the_model_stores_what_tcpstore_stores():
+    """The model's store semantics on the operations the core uses (system.py's list)."""
+    sc = S.Scenario("x", 1, (((S.Call("A"),),),))
+    state = S.initial(sc)
+    rank = state.ranks[0]._replace(current=(0, 0), main=tuple(
+        ((0, 0), op) for op in (C.Op("append", "k", "a"), C.Op("append", "k", "b"),
+                                C.Op("cas", "d", "first"), C.Op("cas", "d", "second"),
+                                C.Op("delete", "k"))))
+    state = state._replace(ranks=(rank,))
+    while state.ranks[0].main:  # the delete is served at once after the second cas
+        state = S._serve(sc, state, 0, "main")
+    assert dict(state.store) == {"d": "first"}
+    assert dataclasses.replace(C.Op("get", "x")).kind == "get"
