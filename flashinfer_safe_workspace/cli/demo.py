@@ -195,7 +195,8 @@ def _cause(rows, args) -> str:
     if args.die_rank is not None:
         return f"rank {args.die_rank} exited before the vote"
     if args.slow_rank is not None:
-        return f"rank {args.slow_rank} did not answer within the vote timeout ({args.vote_timeout:g} s)"
+        return (f"rank {args.slow_rank} did not answer within the vote timeout "
+                f"({args.vote_timeout:g} s)")
     codes = sorted({c for r in rows for c in (r.get("reasons") or [])})
     return f"the vote said no ({', '.join(codes) or 'no reason logged'})"
 

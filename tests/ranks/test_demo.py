@@ -182,7 +182,8 @@ def _args(**kw):
       {"rank": 1, "outcome": "exited without a report", "returncode": 3}], _args(die_rank=1),
      "verdict: rank 1 exited before the vote -> no rank created the workspace; rank 0 took the "
      "non-fused path (answered within 10012 ms)"),
-    ([_row(0, reasons=["ABSENT"]), _row(1, reasons=["ABSENT"])], _args(slow_rank=1, vote_timeout=3),
+    ([_row(0, reasons=["ABSENT"]), _row(1, reasons=["ABSENT"])],
+     _args(slow_rank=1, vote_timeout=3),
      "verdict: rank 1 did not answer within the vote timeout (3 s) -> no rank created the "
      "workspace; every rank took the non-fused path (all answered within 12 ms)"),
     ([_row(0, reasons=["CAPTURING"]), _row(1, reasons=["CAPTURING"])], _args(),

@@ -12,7 +12,8 @@ from flashinfer_safe_workspace.agreement.record import NO, Candidate, Record
 from flashinfer_safe_workspace.planning.probe import CUDA_ERROR_OUT_OF_MEMORY
 
 MiB = 1 << 20
-EVERY = ", so no rank created FlashInfer's all-reduce workspace; every rank takes the non-fused all-reduce path."
+EVERY = (", so no rank created FlashInfer's all-reduce workspace; every rank takes the "
+         "non-fused all-reduce path.")
 
 
 def info(ranks=(), details=("detail",), reasons=(), short=()):
