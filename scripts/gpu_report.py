@@ -599,8 +599,11 @@ def render_p(case: dict) -> list:
              "`create_allreduce_fusion_workspace(backend=\"trtllm\", ...)` either from the script "
              "itself or from a real module file named `sglang.fiws_probe_caller` / "
              "`vllm.fiws_probe_caller` (so the calling frame is an engine's module), with room or "
-             f"with rank {p.get('starve_rank', 0)} left {p.get('leave_mb')} MiB. 'Free Δ' is free "
-             "memory before minus after the call (after a synchronize, gc and a barrier); "
+             f"with rank {p.get('starve_rank', 0)} left {p.get('leave_mb')} MiB. 'Held Δ' is what "
+             "the rank itself holds after minus before the call (torch's reserved bytes plus "
+             "its driver allocations), which the 0-bytes check judges; 'Free Δ' is the "
+             "device's free memory before minus after the call (after a synchronize, gc and a "
+             "barrier), which on a shared device moves with the peer too; "
              "'after arrival' is when the rank had its answer, measured from the slower rank's "
              "call.", ""]
     rows = []
@@ -610,12 +613,12 @@ def render_p(case: dict) -> list:
                      r.get("outcome"), r.get("expected"),
                      "ok" if r.get("outcome") == r.get("expected") else "NO",
                      ms(r.get("seconds")), ms(r.get("after_slowest_arrival_s")),
-                     num(r.get("free_delta"), "{:.0f} B"),
+                     num(r.get("held_delta"), "{:.0f} B"), num(r.get("free_delta"), "{:.0f} B"),
                      " ".join(f"{k}={line.get(k)}" for k in ("outcome", "answer", "caller",
                                                              "headroom", "headroom_bytes", "audit")
                               if k in line) or "-"])
     lines += [table(["ON_VETO", "#", "Step", "Caller", "Rank", "Got", "Expected", "", "Time",
-                     "After arrival", "Free Δ", "Decision line"], rows), ""]
+                     "After arrival", "Held Δ", "Free Δ", "Decision line"], rows), ""]
     lines += ["**For a user:** installing the wheel and setting one variable is enough; every "
               "rank gets the same answer at once; `auto` raises `WorkspaceVetoed` for engines "
               "that fall back on an exception and returns `None` to everyone else; a veto leaves "

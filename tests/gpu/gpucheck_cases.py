@@ -831,6 +831,8 @@ def case_f(ctx: Ctx) -> dict:
                "first_cycle_kept": d("start", "first_released"),
                "veto_delta": d("veto_before", "veto_after"),
                "veto_torch_reserved_delta": d("veto_after", "veto_before", "reserved"),
+               "veto_held_delta": held_delta((s.get("veto_before") or {}).get("own"),
+                                             (s.get("veto_after") or {}).get("own")),
                "cycles": []}
         for i in range(int(params["cycles"])):
             row["cycles"].append({
@@ -851,8 +853,14 @@ def case_f(ctx: Ctx) -> dict:
         row["snaps"] = {k: {"free": v["free"], "allocated": v.get("allocated"),
                             "reserved": v.get("reserved")} for k, v in s.items()}
         per_rank.append(row)
-        checks.append(check(f"rank {r}: a vetoed call leaves free memory unchanged",
-                            row["veto_delta"] == 0, f"delta {row['veto_delta']} B"))
+        held = row["veto_held_delta"]
+        if isinstance(held, int):  # what the rank holds: a peer on its device cannot move it
+            veto_ok = held == 0
+        else:  # no per-process measure: free memory, only for a rank alone on its device
+            veto_ok = ctx.ranks_per_device == 1 and row["veto_delta"] == 0
+        checks.append(check(f"rank {r}: a vetoed call leaves nothing allocated by the rank",
+                            veto_ok, f"held delta {held} B (torch reserved + driver ledger); "
+                            f"device free delta {row['veto_delta']} B"))
         last = row["cycles"][-1] if row["cycles"] else {}
         kept = last.get("kept_after_release")
         slack = 2 * MiB * ctx.ranks_per_device  # per process on the device
@@ -871,7 +879,8 @@ def case_f(ctx: Ctx) -> dict:
                                                  for k in destroy_only) and bool(destroy_only),
                             f"kept after destroy(): {destroy_only}", required=False))
     summary = "; ".join(
-        f"rank {row['rank']}: veto delta {row['veto_delta']} B, kept after release "
+        f"rank {row['rank']}: veto held delta {row['veto_held_delta']} B (free "
+        f"{row['veto_delta']} B), kept after release "
         f"{[c['kept_after_release'] for c in row['cycles']]} B" for row in per_rank)
     return finish_case(checks, {"params": params, "ranks": per_rank}, [run], summary,
                        rank_errors(run))
@@ -1040,6 +1049,24 @@ def _from_tree(path: Optional[str]) -> bool:
     return bool(path) and os.path.abspath(path).startswith(TREE_PACKAGE + os.sep)
 
 
+def held_delta(before, after) -> Optional[int]:
+    """What one rank came to hold across a call, by per-process measures (the rank's
+    ``own`` snapshots, ``gpucheck_common.RealDevice.own``): torch's reserved bytes plus the
+    bytes it holds through the driver module. None when either snapshot lacks them. Never
+    the device's free memory, which on a shared device moves with the peer."""
+    def held(own):
+        parts = [(own or {}).get("torch_reserved"), (own or {}).get("driver_held")]
+        return sum(parts) if all(isinstance(v, int) for v in parts) else None
+
+    a, b = held(before), held(after)
+    return None if a is None or b is None else b - a
+
+
+def _nvml_delta(before, after) -> Optional[int]:
+    a, b = (before or {}).get("nvml"), (after or {}).get("nvml")
+    return b - a if isinstance(a, int) and isinstance(b, int) else None
+
+
 def analyse_protocol(mode: str, steps: list, run: dict, ctx: Ctx) -> tuple:
     """(rows, checks) of one ON_VETO mode's run of case p."""
     rows, checks = [], []
@@ -1069,6 +1096,8 @@ def analyse_protocol(mode: str, steps: list, run: dict, ctx: Ctx) -> tuple:
                         else None,
                         "reserved_delta": (e["reserved_after"] - e["reserved_before"])
                         if isinstance(e.get("reserved_before"), int) else None,
+                        "held_delta": held_delta(e.get("own_before"), e.get("own_after")),
+                        "nvml_delta": _nvml_delta(e.get("own_before"), e.get("own_after")),
                         "free_before": e.get("free_before"), "hog_left": e.get("hog_left"),
                         "line": line, "n_lines": len(e.get("decisions") or []),
                         "error": e.get("error"), "warnings": e.get("warnings")})
@@ -1081,10 +1110,7 @@ def analyse_protocol(mode: str, steps: list, run: dict, ctx: Ctx) -> tuple:
                                          if x["error"] and x["outcome"] != VETOED else "")
                                       for x in per)))
         if step["starve"]:
-            deltas = [x["free_delta"] for x in per]
-            checks.append(check(f"{mode} #{i}: the vetoed call left 0 bytes allocated (free "
-                                "memory before vs after, every rank)",
-                                all(d == 0 for d in deltas), f"deltas {deltas} B"))
+            checks.append(_left_nothing(f"{mode} #{i}", per, ctx))
             starts = [x["wall_start"] for x in per]
             ends = [x["wall_end"] for x in per]
             if all(isinstance(t, float) for t in starts + ends):
@@ -1109,6 +1135,27 @@ def analyse_protocol(mode: str, steps: list, run: dict, ctx: Ctx) -> tuple:
                                     all(line.get("answer") == want_answer for line in lines),
                                     "; ".join(str(line.get("answer")) for line in lines)))
     return rows, checks
+
+
+def _left_nothing(label: str, per: list, ctx: Ctx) -> dict:
+    """The check that a vetoed call left nothing allocated, on every rank, measured per rank
+    (``held_delta``). The device's free-memory delta is shown beside it, and judged only by
+    a rank alone on its device and only when the rank reported no per-process measure."""
+    held = [x.get("held_delta") for x in per]
+    free = [x.get("free_delta") for x in per]
+    nvml = [x.get("nvml_delta") for x in per]
+    detail = (f"held deltas {held} B (torch reserved + driver ledger, per rank); NVML "
+              f"per-process deltas {nvml} B; device free deltas {free} B"
+              + (f" ({ctx.ranks_per_device} ranks share the device: the peer's moves too)"
+                 if ctx.ranks_per_device > 1 else ""))
+    if all(isinstance(d, int) for d in held):
+        ok = all(d == 0 for d in held)
+    elif ctx.ranks_per_device == 1:  # alone on its device: free memory is its own
+        ok = all(d == 0 for d in free)
+    else:
+        ok, detail = False, "no per-process measure reported; " + detail
+    return check(f"{label}: the vetoed call left 0 bytes allocated by each rank (what the rank "
+                 "holds, before vs after)", ok, detail)
 
 
 def case_p(ctx: Ctx) -> dict:

@@ -198,6 +198,131 @@ def device_index(rank: int) -> int:
     return 0 if SHARED_DEVICE else rank
 
 
+# ----------------------------------------------------------------- what this rank holds
+#
+# cuMemGetInfo (free memory) is the device's: on a device two ranks share (the one-GPU
+# profile) it moves with the peer's allocations, and a call that allocated nothing was
+# charged the peer's 2.9 GB at 7c21911 (case p, 42 of 43). What one rank holds is measured
+# per process instead: torch's reserved bytes (its caching allocator), the bytes this
+# process holds through the cuda-python driver module (DriverLedger: the shim's probe,
+# FlashInfer's mnnvl allocations, the hog), and NVML's per-process used memory where NVML
+# lists this process (not in every container: its pids are the host's).
+
+
+def _handle_key(kind: str, handle):
+    try:
+        return kind, int(handle)
+    except Exception:  # noqa: BLE001 - an opaque handle: the object itself
+        return kind, id(handle)
+
+
+class DriverLedger:
+    """Bytes this process holds through the cuda-python driver module(s): wraps
+    cuMemCreate/cuMemRelease and cuMemAlloc/cuMemFree on the module objects, so every caller
+    that looks them up there at call time (the shim's probe, FlashInfer, the hog) is
+    counted. ``held`` is what was created or allocated and not yet released or freed."""
+
+    def __init__(self):
+        self.live: dict = {}
+        self.modules: list = []
+
+    @property
+    def held(self) -> int:
+        return sum(self.live.values())
+
+    def install(self, module) -> None:
+        if any(m is module for m in self.modules):
+            return  # one module under two names: wrap it once
+        self.modules.append(module)
+        for name, wrap in (("cuMemCreate", self._create), ("cuMemRelease", self._release),
+                           ("cuMemAlloc", self._alloc), ("cuMemFree", self._free)):
+            real = getattr(module, name, None)
+            if real is not None:
+                setattr(module, name, wrap(real))
+
+    @staticmethod
+    def _ok(result) -> bool:
+        return isinstance(result, tuple) and bool(result) and int(result[0]) == 0
+
+    def _create(self, real):
+        def cuMemCreate(size, prop, flags):
+            result = real(size, prop, flags)
+            if self._ok(result) and len(result) > 1:
+                self.live[_handle_key("mem", result[1])] = int(size)
+            return result
+        return cuMemCreate
+
+    def _release(self, real):
+        def cuMemRelease(handle):
+            result = real(handle)
+            if self._ok(result):
+                self.live.pop(_handle_key("mem", handle), None)
+            return result
+        return cuMemRelease
+
+    def _alloc(self, real):
+        def cuMemAlloc(size):
+            result = real(size)
+            if self._ok(result) and len(result) > 1:
+                self.live[_handle_key("ptr", result[1])] = int(size)
+            return result
+        return cuMemAlloc
+
+    def _free(self, real):
+        def cuMemFree(ptr):
+            result = real(ptr)
+            if self._ok(result):
+                self.live.pop(_handle_key("ptr", ptr), None)
+            return result
+        return cuMemFree
+
+
+def driver_modules() -> list:
+    """The cuda-python driver modules importable here (13.x ``cuda.bindings.driver``,
+    12.x ``cuda.cuda``)."""
+    import importlib
+    import warnings
+
+    found = []
+    for name in ("cuda.bindings.driver", "cuda.cuda"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found.append(importlib.import_module(name))
+        except Exception:  # noqa: BLE001 - not this cuda-python
+            pass
+    return found
+
+
+_nvml = None
+
+
+def nvml_process_bytes(pid: int, nv=None):
+    """NVML's used memory of process ``pid`` over every device, or None: no NVML, NVML
+    does not list ``pid`` (a container's own pids), or it gives no value."""
+    global _nvml
+    try:
+        if nv is None:
+            if _nvml is None:
+                import pynvml
+
+                pynvml.nvmlInit()
+                _nvml = pynvml
+            nv = _nvml
+        total, listed = 0, False
+        for index in range(nv.nvmlDeviceGetCount()):
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+                if int(proc.pid) != int(pid):
+                    continue
+                if proc.usedGpuMemory is None:
+                    return None
+                total, listed = total + int(proc.usedGpuMemory), True
+        return total if listed else None
+    except Exception:  # noqa: BLE001 - a measure we may not have
+        return None
+
+
 class RealDevice:
     """Rank r on cuda:r (cuda:0 when shared). Only cuMemGetInfo-style queries and the hog
     touch the driver."""
@@ -215,6 +340,23 @@ class RealDevice:
         torch.cuda.init()
         self.torch_device = torch.device("cuda", self.index)
         self._hog = None
+        self.ledger = None
+
+    def track_own(self) -> None:
+        """Count this process's driver allocations from now on (``own``); call before the
+        first allocation that a measure brackets."""
+        if self.ledger is None:
+            self.ledger = DriverLedger()
+            for module in driver_modules():
+                self.ledger.install(module)
+
+    def own(self) -> dict:
+        """What this process holds, by per-process measures (never the device's free
+        memory): torch's reserved bytes, the driver ledger's (None before track_own), and
+        NVML's per-process used memory (None where NVML does not list this process)."""
+        return {"torch_reserved": int(self.torch.cuda.memory_reserved(self.index)),
+                "driver_held": None if self.ledger is None else self.ledger.held,
+                "nvml": nvml_process_bytes(os.getpid())}
 
     def free_total(self) -> tuple:
         free, total = self.torch.cuda.mem_get_info(self.index)

@@ -192,6 +192,13 @@ class FakeDevice:
     def free(self):
         return self.gpu.free()
 
+    def track_own(self):
+        pass
+
+    def own(self):
+        """The fake GPU is this process's alone: what it holds is all this rank holds."""
+        return {"torch_reserved": 0, "driver_held": self.gpu.used, "nvml": None}
+
     def torch_stats(self):
         return {"allocated": 0, "reserved": 0}
 

@@ -146,7 +146,7 @@ def _snap(dev, group, where: str) -> dict:
     collect()
     group.barrier()
     free, total = dev.free_total()
-    rec = {"where": where, "free": free, **dev.torch_stats()}
+    rec = {"where": where, "free": free, **dev.torch_stats(), "own": dev.own()}
     emit("snap", **rec)
     return rec
 
@@ -157,6 +157,7 @@ def case_p(args):
     reports the answer, the times, the decision line and the free memory around it."""
     p, rank, world = args.params, args.rank, args.world_size
     dev = make_device(rank)
+    dev.track_own()  # before the shim's first probe: what this rank holds, not the device
     group = Group(args, dev)
     import flashinfer.comm as comm
 
@@ -189,7 +190,8 @@ def case_p(args):
              outcome=_outcome(result, c.error), error=c.error, seconds=c.seconds,
              wall_start=c.wall_start, wall_end=wall_end, free_before=before["free"],
              free_after=after["free"], reserved_before=before["reserved"],
-             reserved_after=after["reserved"], hog_left=left,
+             reserved_after=after["reserved"], own_before=before["own"],
+             own_after=after["own"], hog_left=left,
              decisions=got["decisions"], warnings=got["warnings"][:4])
         if result is not None:
             dev.sync()

@@ -821,9 +821,12 @@ def _signal_pad():
 
 
 def case_f(args):
-    """Free memory per rank around a vetoed call and around create + destroy."""
+    """Free memory per rank around a vetoed call and around create + destroy; around the
+    veto also what the rank itself holds (``own``: on a shared GPU free memory moves with
+    the peer)."""
     p, rank, world = args.params, args.rank, args.world_size
     dev = make_device(rank)
+    dev.track_own()
     group = Group(args, dev)
     shim_install(on_veto="none")
     import flashinfer.comm as comm
@@ -848,11 +851,11 @@ def case_f(args):
     snapshot(dev, group, "start")
     cycle("first")  # the process's first creation: NCCL init, module load, gloo group
     left = dev.hog().set(p["leave_mb"] * MiB) if rank == starve else None
-    snapshot(dev, group, "veto_before", hog_left=left)
+    snapshot(dev, group, "veto_before", hog_left=left, own=dev.own())
     with Call("create vetoed") as c:
         result = comm.create_allreduce_fusion_workspace(**kw)
         c.result_note = describe(result)
-    snapshot(dev, group, "veto_after", result=describe(result), error=c.error)
+    snapshot(dev, group, "veto_after", result=describe(result), error=c.error, own=dev.own())
     if rank == starve:
         dev.hog().release()
     snapshot(dev, group, "veto_hog_released")

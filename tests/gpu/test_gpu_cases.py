@@ -61,7 +61,8 @@ def shared_ctx():
 @one_gpu
 def test_p_protocol_through_the_pth_on_one_gpu(shared_ctx):
     """ON_VETO none / raise / auto from plain and engine-named callers: the same answer on
-    every rank within 50 ms, 0 bytes left by a veto."""
+    every rank within 50 ms, 0 bytes left by a veto (what each rank holds, not the shared
+    GPU's free memory)."""
     result = gcc.run_case("p", shared_ctx)
     assert result["status"] == "pass", _explain(result)
 
@@ -126,7 +127,8 @@ def test_e_recorded_allocations_equal_the_plan(ctx):
 
 @two_gpus
 def test_f_no_leak(ctx):
-    """A vetoed call leaves free memory unchanged; create + full release returns it."""
+    """A vetoed call leaves nothing allocated by either rank; create + full release returns
+    the free memory."""
     result = gcc.run_case("f", ctx)
     assert result["status"] == "pass", _explain(result)
 
