@@ -36,10 +36,9 @@ INT_MAX = (1 << 31) - 1  # FlashInfer's sizes are C ints
 DEMO_MAX_RANKS = 64  # local processes; more would only exhaust the machine
 DEFAULT_SHAPE = {"world_size": 2, "max_token_num": 2048, "hidden_dim": 4096}
 # plan's shape options and their defaults, in the order its shape line says them
-PLAN_DEFAULTS = {"world_size": 2, "rank": 0, "max_token_num": 2048, "hidden_dim": 4096,
-                 "dtype": "bfloat16"}
-
-
+PLAN_DEFAULTS = {"world_size": DEFAULT_SHAPE["world_size"], "rank": 0,
+                 "max_token_num": DEFAULT_SHAPE["max_token_num"],
+                 "hidden_dim": DEFAULT_SHAPE["hidden_dim"], "dtype": "bfloat16"}
 _WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also takes '𝟠', '٨', '1_0'
 _DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
@@ -102,31 +101,32 @@ def _version(text: str) -> str:
 
 def _add_shape(p, *, need_rank: bool = False, required_note: str = "",
                said_defaults: bool = False) -> None:
-    """The shape options. ``required_note``: no defaults (``check``); ``said_defaults``:
-    the defaults are filled in after parsing (``_fill_shape``) so that ``plan`` can say
-    which values it was not given."""
-    if required_note:
-        default, note = (lambda name: None), (lambda name: required_note)
-    elif said_defaults:
-        default = lambda name: None  # noqa: E731
-        note = lambda name: f" (default: {PLAN_DEFAULTS[name]})"  # noqa: E731
-    else:
-        default, note = PLAN_DEFAULTS.get, (lambda name: "")
+    """The shape options. ``required_note``: the shape has no defaults (``check``);
+    ``said_defaults``: the defaults are filled in after parsing (``_fill_shape``), so that
+    ``plan`` can say which values it was not given."""
+    def default(name: str):
+        if said_defaults or (required_note and name in DEFAULT_SHAPE):
+            return None
+        return PLAN_DEFAULTS[name]
+
+    def note(name: str) -> str:
+        if said_defaults:
+            return f" (default: {PLAN_DEFAULTS[name]})"
+        return required_note if name in DEFAULT_SHAPE else ""
+
     p.add_argument("--backend", default="trtllm",
                    choices=["trtllm", "mnnvl", "mnnvl-cutedsl", "auto"], help="FlashInfer backend")
     p.add_argument("--world-size", type=_whole(1), default=default("world_size"),
                    help="ranks in the group" + note("world_size"))
     if need_rank:
-        p.add_argument("--rank", type=_whole(0), default=0 if not said_defaults else None,
-                       help="this rank (below --world-size)"
-                       + (note("rank") if said_defaults else ""))
+        p.add_argument("--rank", type=_whole(0), default=default("rank"),
+                       help="this rank (below --world-size)" + note("rank"))
     p.add_argument("--max-token-num", type=_whole(1), default=default("max_token_num"),
                    help="max_token_num of the call" + note("max_token_num"))
     p.add_argument("--hidden-dim", type=_whole(1), default=default("hidden_dim"),
                    help="hidden_dim of the call" + note("hidden_dim"))
-    p.add_argument("--dtype", default="bfloat16" if not said_defaults else None,
-                   choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the call" + (note("dtype") if said_defaults else ""))
+    p.add_argument("--dtype", default=default("dtype"), choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the call" + note("dtype"))
 
 
 def _fill_shape(args) -> None:
