@@ -38,18 +38,19 @@ DOUBT = "doubt"  # this rank's answer when its last write was not answered in ti
 # phases of one rank's decision
 NEW, COUNT, READ, WRITE, WAIT, FETCH, DONE = "new", "count", "read", "write", "wait", "fetch", "done"
 # what a reply answers (``Op.tag``)
-T_COUNT, T_READ, T_WRITE, T_WAIT, T_FETCH, T_ABORT, T_OUT = (
-    "count", "read", "write", "wait", "fetch", "abort", "out")
+T_COUNT, T_READ, T_WRITE, T_WAIT, T_FETCH, T_ABORT, T_OUT, T_REAP = (
+    "count", "read", "write", "wait", "fetch", "abort", "out", "reap")
 KEYS = ("r", "n", "d", "o")  # a round's keys, in the order the last rank out deletes them
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One store operation. ``kind``: ``append`` (one-way, no reply), ``add`` (the new
-    count), ``cas`` (``compare_set``: the value the key holds afterwards), ``get`` (the
-    value, or None when the key is missing: never a blocking read), ``wait`` (returns once
-    the key may exist: the store also wakes it when the key is read or deleted),
-    ``delete``. ``line``:
+    count), ``cas`` (``compare_set(key, "", value)``: the value the key holds afterwards),
+    ``get`` (the value, or None when the key is missing: a ``compare_set`` read, never a
+    blocking one; it wakes the key's waiters), ``check`` (whether the key exists; wakes
+    nobody), ``wait`` (returns once the key may exist: also when someone reads it
+    missing), ``delete``. ``line``:
     ``wait`` for the blocking wait and the read after it, ``main`` for the rest."""
 
     kind: str
@@ -68,11 +69,13 @@ class Codec:
     ``verdict(payloads)``: the register text for a round where every record says yes to
     one call (commit, pass, or an abort by a cross-rank check); ``refuse(payloads, why)``:
     an abort's text for a round that cannot commit; ``outcome(text)``: COMMIT, PASS or
-    ABORT (an unreadable text is an ABORT)."""
+    ABORT (an unreadable text is an ABORT); ``complete(text)``: whether the text was
+    written by the rank that completed the count (``verdict``'s and ``refuse``'s are)."""
 
     verdict: Callable[[list], str]
     refuse: Callable[[list, str], str]
     outcome: Callable[[str], str]
+    complete: Callable[[str], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,8 @@ class Core:
     answer: Optional[str] = None  # COMMIT, PASS, ABORT or DOUBT, once decided
     decider: bool = False  # this rank's own write is what the register holds
     proposed: tuple = ()  # the register texts this rank wrote (the first write wins)
+    out: int = 0  # the count-out this rank's add read (below the size: a rank is missing)
+    spurious: bool = False  # a wake-up found no register: the next read looks first
     seen: tuple = ()  # the records' payloads this rank read (the count completer)
 
     # -- events
@@ -128,9 +133,12 @@ class Core:
         """The reply of the operation tagged ``tag``; after the answer only the count-out's
         reply matters (the rank that completes it deletes the round's keys)."""
         if self.answer is not None:
-            if tag == T_OUT and int(value) >= self.setup.size:
-                return self, [Op("delete", self.setup.key(k)) for k in KEYS]
-            return self, []
+            if tag != T_OUT:
+                return self, []
+            core = dataclasses.replace(self, out=int(value))
+            if core.out >= self.setup.size:  # every rank has its answer: nobody reads them again
+                return core, [Op("delete", self.setup.key(k)) for k in KEYS]
+            return core, []
         handler = _HANDLERS.get((self.phase, tag)) or (Core._decided if tag == T_ABORT else None)
         return handler(self, value) if handler is not None else (self, [])
 
@@ -178,10 +186,14 @@ class Core:
 
     def _read(self, blob) -> tuple:
         """Every rank's yes is in (each appended its record before it added): commit only
-        if every record is for this very call."""
+        if there is one record per position and every one is for this very call (a round
+        removed as a leftover under a late rank's feet holds fewer)."""
         s = self.setup
         heads, payloads = _parse(blob)
-        if any(call != s.call for _, _, call in heads):
+        if sorted(pos for pos, _, _ in heads) != list(range(s.size)):
+            text = s.codec.refuse(payloads, f"the round holds {len(heads)} records for "
+                                  f"{s.size} ranks")
+        elif any(call != s.call for _, _, call in heads):
             text = s.codec.refuse(payloads, "ranks called with different arguments")
         else:
             text = s.codec.verdict(payloads)
@@ -193,11 +205,20 @@ class Core:
                 [Op("cas", self.setup.key("d"), text, tag=T_WRITE)])
 
     def _woken(self, _value) -> tuple:
+        """Woken: read the register. After a wake-up that found none, look first (``check``
+        wakes nobody): a read of a missing key wakes its waiters, and two ranks woken for
+        nothing would otherwise wake each other for as long as the register is missing."""
+        if self.spurious:
+            return self._to(FETCH), [Op("check", self.setup.key("d"), tag=T_FETCH, line="wait")]
         return self._to(FETCH), [Op("get", self.setup.key("d"), tag=T_FETCH, line="wait")]
 
     def _fetched(self, value) -> tuple:
-        if value is None:  # woken by a read or a deletion of the missing register: wait on
-            return self._to(WAIT), [Op("wait", self.setup.key("d"), tag=T_WAIT, line="wait")]
+        if value is None or value is False:  # woken by an outsider's read of the missing
+            return self._to(WAIT, spurious=True), [  # register: wait on
+                Op("wait", self.setup.key("d"), tag=T_WAIT, line="wait")]
+        if value is True:  # it is there now
+            return self._to(FETCH, spurious=False), [
+                Op("get", self.setup.key("d"), tag=T_FETCH, line="wait")]
         return self._decided(value)
 
     def _written(self, held) -> tuple:
@@ -222,6 +243,37 @@ _HANDLERS = {
     (WAIT, T_WAIT): Core._woken,
     (FETCH, T_FETCH): Core._fetched,
 }
+
+
+# -- leftovers. A round some rank never counted out of (it answered that call from its
+# cache, crashed, or its calls were out of step with its peers') keeps its keys: its
+# register may not go while a rank can still come to that position, for a late yes would
+# find none and could write a commit its peers never saw. A rank that counted out short
+# of the size, after an abort, remembers such a round. Once it answers a later round of
+# the same rank set whose register the count's completer wrote, every rank had arrived
+# there, so each has taken every earlier position and sent its count-outs of them: none
+# comes back, and the remembered rounds' keys go. (A round every rank counts out of is
+# deleted by its last rank out; a commit needs every rank's yes, so every rank counts out
+# of it unless one dies.)
+
+
+def leftover(core: "Core") -> bool:
+    """Whether ``core``'s round may be left behind: counted out short, after an abort."""
+    return 0 < core.out < core.setup.size and core.answer in (ABORT, DOUBT)
+
+
+def sweep(later: "Core", leftovers: list) -> list:
+    """The deletions of the remembered rounds (their prefixes), once ``later`` has an
+    answer whose register the count's completer wrote; [] before."""
+    if later.register is None or not later.setup.codec.complete(later.register):
+        return []
+    return forget(leftovers)
+
+
+def forget(leftovers: list) -> list:
+    """The deletions of rounds no rank comes back to (a later round was complete, or the
+    default group was replaced: its ranks left it)."""
+    return [Op("delete", prefix + k) for prefix in leftovers for k in KEYS]
 
 
 def _parse(blob) -> tuple:

@@ -16,7 +16,9 @@ Always:
 - ``terminates``: in a state with no step left, every rank that did not crash has answered
   every call;
 - ``clean-up``: in such a final state, a round that every rank answered from the store
-  (none crashed, none answered from its cache) has left no key behind;
+  (none crashed, none answered from its cache) has left no key behind, and a group whose
+  last round every rank answered from its count's completer, or that every rank has left
+  for a new group (in the same processes), has left none at all (its leftovers were swept);
 - ``clean rounds are created``: in such a final state, a round where every rank said yes
   to the same call, all started within T of each other, none crashed or was paused in it
   and the store answered throughout, is created on every rank, whatever came before it.
@@ -101,6 +103,14 @@ def final(sc: S.Scenario, state: S.State) -> list:
             left = sorted(k for k in keys if k.startswith(S.prefix(g, S.MEMBERS, p)))
             if left:
                 bad.append(f"clean-up: {(g, p)} left {left}")
+    for g in {g for g, _ in rounds(sc, state)}:
+        lasts = [max((a for a in rank.answers if a.group == g), key=lambda a: a.pos,
+                     default=None) for rank in state.ranks]
+        later_group = not sc.fresh and all(rank.group > g for rank in state.ranks)
+        if later_group or all(a is not None and a.complete for a in lasts):
+            left = sorted(k for k in keys if k.startswith(f"fiws/{g}/"))
+            if left:
+                bad.append(f"clean-up: group {g} left {left}")
     for (g, p), answers in rounds(sc, state).items():
         if not _clean_calls([_call(sc, r, g, p) for r in range(sc.size)]):
             continue

@@ -44,6 +44,8 @@ TWO = [
              (((A, A), (A, A)), ((A,), (A, A)))),
     Scenario("two ranks: a new group on the same store after a no, with a no", 2,
              (((N,), (N, A)), ((A,), (A, A)))),
+    Scenario("two ranks: new processes form a new group on the same store after a round "
+             "only rank 0 made", 2, (((A, A), (A, A)), ((A,), (A, A))), fresh=True),
     Scenario("two ranks: an outsider reads a missing register (a spurious wake-up)", 2,
              _same([A, A], 2), peek=1),
 ]

@@ -53,7 +53,11 @@ def _outcome(text) -> str:
     return head if head in (C.COMMIT, C.PASS, C.ABORT) else C.ABORT
 
 
-CODEC = C.Codec(_verdict, _refuse, _outcome)
+def _complete(text) -> bool:
+    return text == "commit" or (text.startswith("abort|") and text.count("|") == 1)
+
+
+CODEC = C.Codec(_verdict, _refuse, _outcome, _complete)
 
 
 def texts(me: int) -> tuple:
@@ -93,6 +97,7 @@ class Scenario(NamedTuple):
     starts: tuple = ()  # per rank: the earliest time of its first call (a late arrival)
     crash: int = 0  # ranks that may crash, at any step
     peek: int = 0  # reads of a missing register by an outsider (each wakes its waiters)
+    fresh: bool = False  # each new group's ranks are new processes: they remember nothing
     pause: int = 0  # ranks that may be paused past the vote timeout
     stop: tuple = ()  # how long the store may stop (each a choice), once
     horizon: int = 40
@@ -113,6 +118,7 @@ class Rank(NamedTuple):
     late: bool  # its current round was decided when its record arrived
     resumed: int  # when it was last resumed during its current call (-1: never paused)
     answers: tuple  # Answer of each call answered
+    leftovers: tuple  # (group, position) of rounds it left behind (``core.leftover``)
 
 
 class Answer(NamedTuple):
@@ -127,6 +133,7 @@ class Answer(NamedTuple):
     paused: bool  # the rank was paused during the call
     stopped: bool  # the store stopped between the call's start and its answer
     on_time: bool  # answered within T + grace of its start (or the grace of its resumption)
+    complete: bool  # its register was written by the rank that completed the count
 
 
 class State(NamedTuple):
@@ -142,7 +149,7 @@ class State(NamedTuple):
 
 
 def initial(sc: Scenario) -> State:
-    ranks = tuple(Rank("live", 0, 0, 0, None, (), (), (), False, (), 0, False, -1, ())
+    ranks = tuple(Rank("live", 0, 0, 0, None, (), (), (), False, (), 0, False, -1, (), ())
                   for _ in range(sc.size))
     return State(0, (), (), ranks, -1, sc.crash, sc.pause, sc.peek, ())
 
@@ -179,17 +186,27 @@ def _put(sc: Scenario, state: State, r: int, owner, core: C.Core, ops) -> State:
     main, wait = list(rank.main), list(rank.wait)
     for op in ops:
         (wait if op.line == "wait" else main).append((owner, op))
+    before = _core(rank, owner)
     cores = tuple((k, core if k == owner else c) for k, c in rank.cores)
     if owner not in [k for k, _ in cores]:
         cores += ((owner, core),)
+    if before is not None and not C.leftover(before) and C.leftover(core):
+        rank = rank._replace(leftovers=rank.leftovers + (owner,))
     rank = rank._replace(main=tuple(main), wait=tuple(wait), cores=cores)
     if rank.current == owner and core.answer is not None:  # answered: recorded once
+        older = [k for k in rank.leftovers if k[0] == owner[0] and k[1] < owner[1]]
+        gone = C.sweep(core, [prefix(g, MEMBERS, p) for g, p in older])
+        if gone:  # every rank arrived here: the older leftovers' keys go
+            main = main + [(owner, op) for op in gone]
+            rank = rank._replace(main=tuple(main),
+                                 leftovers=tuple(k for k in rank.leftovers if k not in older))
         now, window = state.now, state.window
         due = (rank.resumed if rank.resumed >= 0 else rank.start + sc.t) + sc.grace
         rank = rank._replace(current=None, answers=rank.answers + (Answer(
             owner[0], owner[1], core.answer, cause(core.register), rank.start, rank.late,
             rank.resumed >= 0, bool(window) and window[0] <= now and window[1] >= rank.start,
-            now <= max(due, rank.start + sc.t + sc.grace)),))
+            now <= max(due, rank.start + sc.t + sc.grace),
+            core.register is not None and CODEC.complete(core.register)),))
     return _set(state, r, _retire(rank))
 
 
@@ -213,11 +230,11 @@ def key(state: State) -> tuple:
     steps (their setup follows from the scenario, the owner and the start time)."""
     return (state.now, state.store, state.parked, state.stopped_until, state.crash, state.pause,
             state.peek, state.window, tuple((rk.status, rk.resume_at, rk.group, rk.started, rk.current,
-                                 tuple((o, c.phase, c.aborting, c.abort_at, c.register, c.answer)
-                                       for o, c in rk.cores),
+                                 tuple((o, c.phase, c.aborting, c.abort_at, c.register, c.answer,
+                                        c.out) for o, c in rk.cores),
                                  rk.main, rk.wait, rk.parked, rk.inbox,
                                  rk.start if rk.current else -1, rk.late, rk.resumed,
-                                 rk.answers) for rk in state.ranks))
+                                 rk.answers, rk.leftovers) for rk in state.ranks))
 
 
 def _retire(rank: Rank) -> Rank:
@@ -276,6 +293,8 @@ def _serve(sc: Scenario, state: State, r: int, line: str) -> State:
             state = _set(state, r, rank._replace(wait=fifo, parked=True))
             return state._replace(parked=tuple(sorted(state.parked + ((r, op.key),))))
         reply = None
+    elif op.kind == "check":
+        reply = op.key in store
     elif op.kind == "delete":
         store.pop(op.key, None)
     else:  # pragma: no cover - the core emits no other kind
@@ -346,8 +365,13 @@ def _start(sc: Scenario, state: State, r: int, owner: tuple) -> State:
                          resumed=-1)
     if call.skip:  # answered from the cache: its position, no store operation
         return _set(state, r, rank._replace(answers=rank.answers + (Answer(
-            owner[0], owner[1], "skip", "-", state.now, False, False, False, True),)))
+            owner[0], owner[1], "skip", "-", state.now, False, False, False, True, False),)))
     core, ops = C.Core(setup).start()
+    old = [k for k in rank.leftovers if k[0] < owner[0]]
+    if old:  # a new group: every rank has left the old ones, whose leftovers go
+        gone = [] if sc.fresh else C.forget([prefix(g, MEMBERS, p) for g, p in old])
+        rank = rank._replace(leftovers=tuple(k for k in rank.leftovers if k not in old),
+                             main=rank.main + tuple((owner, op) for op in gone))
     return _put(sc, _set(state, r, rank._replace(current=owner)), r, owner, core, ops)
 
 
@@ -377,7 +401,7 @@ def _crash(state: State, r: int) -> State:
             if item[1].tag:  # the first request that waits for its reply: nothing after it
                 break
         return tuple(kept)
-    rank = rank._replace(status="crashed", main=on_wire(rank.main), inbox=(),
+    rank = rank._replace(status="crashed", main=on_wire(rank.main), inbox=(), leftovers=(),
                          wait=rank.wait[:1] if rank.parked else on_wire(rank.wait))
     return _set(state, r, rank)._replace(crash=state.crash - 1)
 
@@ -424,6 +448,7 @@ def _pending(sc: Scenario, state: State) -> bool:
 
 
 def _faults(sc: Scenario, state: State) -> list:
+    """The steps that may come at any time, or never: the faults."""
     out = []
     for r, rank in enumerate(state.ranks):
         if state.crash and rank.status != "crashed" and not finished(sc, r, rank):
