@@ -15,10 +15,10 @@ from typing import Callable, Optional
 
 from .agreement import (
     allgather as _allgather,
-    board as _board,
+    driver as _driver,
     explain as _explain,
     group as _group,
-    round as _round,
+    positions as _positions,
     store as _store,
     vote as _vote,
 )
@@ -84,15 +84,16 @@ def cached_veto(entry: str, original: Callable, args: tuple, kwargs: dict):
             _store.check_world()  # a veto of a destroyed default group is forgotten
             hit = _veto_cache.get(wkey)
             if hit is not None:
-                _count_call(wkey)
+                _skip(wkey)
                 return hit, wkey
     return None, fast
 
 
-def _count_call(wkey) -> None:
-    """A cached answer still counts on the rank set's board: a waiting peer sees we are ahead."""
+def _skip(wkey) -> None:
+    """A call answered without a round still takes its position on the rank set: the i-th
+    call is round i on every rank, whatever each rank answers it from."""
     if wkey[2] == "store":  # (entry, ranks, kind, identity)
-        _board.count_call(_vote.members_key(wkey[1]))
+        _positions.current().skip(_set_key_of(wkey[2], wkey[1]))
 
 
 def _remember(wkey, fast, info: VetoInfo, epoch=None) -> None:
@@ -119,6 +120,7 @@ _vote.use_comparison(_checks.compare)  # the round runs the cross-rank checks it
 def _after_fork_in_child():
     global _cache_lock
     _cache_lock = threading.Lock()
+    _set_locks.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -143,7 +145,9 @@ class _Call:
     wkey: tuple
     fast: object = None
     epoch: int = 0  # store.epoch() when the call began
-    round_key: str = ""  # the store round's key, once opened (the deep probe pairs on it)
+    position: int = -1  # its position on its rank set (store rounds)
+    round_key: str = ""  # the store round's key prefix, once opened (the deep probe pairs on it)
+    vote: object = None  # the store round, once opened (the deep probe asks it)
 
 
 def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
@@ -173,7 +177,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     _store.check_world()
     hit = _veto_cache.get(wkey)
     if hit is not None:
-        _count_call(wkey)
+        _skip(wkey)
         if fast is not None:
             _remember(wkey, fast, hit)
         return Decision("veto", "cached veto", hit, members=members, request=req, cached=True)
@@ -184,17 +188,24 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
     version = _request.flashinfer_version()
     if _request.unknown_version(version) and settings.unknown_version == "pass-through":
         _local.warn_version(version, settings)
+        _skip(wkey)
         return Decision("call", f"FlashInfer {version} not mirrored; pass-through (unprotected)")
 
     decision = Decision("veto", members=members, request=req, identity=ident, logged=True)
     call = _Call(req, bound, ident, version, members, settings, deadline, start, wkey, fast,
                  _store.epoch())
+    if members.kind == "store":  # its position now, its round in position order
+        group, key = _positions.current(), _set_key(members)
+        call.position = group.take(key)
+        try:
+            if not group.turn(key, call.position, deadline):
+                return _busy(decision, members)
+            return _decide_round(decision, call)
+        finally:
+            group.done(key, call.position)
     lock = _set_lock(members) if members.kind != "local" else None
     if lock is not None and not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
-        info = _explain.local(f"another thread of this process was still deciding for ranks "
-                              f"{list(members.ranks)} when the vote timeout ran out")
-        decision.veto, decision.reason = info, info.message
-        return decision  # not cached: the peers may have decided either way without us
+        return _busy(decision, members)
     try:
         return _decide_round(decision, call)
     finally:
@@ -202,15 +213,20 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
             lock.release()
 
 
+def _busy(decision: Decision, members) -> Decision:
+    info = _explain.local(f"another thread of this process was still deciding for ranks "
+                          f"{list(members.ranks)} when the vote timeout ran out")
+    decision.veto, decision.reason = info, info.message
+    return decision  # not cached: the peers may have decided either way without us
+
+
 def _run_round(rnd, call: _Call, decision: Decision):
     """``(outcome, record or None)`` of the round; our own failures are an abort."""
     record = None
     try:
-        early = rnd.open()
-        if early is not None:  # the group already decided this call without us: follow
-            return early, None
-        if call.members.kind == "store":  # "<ranks>/<call>/<n>": the round, on every rank
-            call.round_key = f"{rnd.mkey}/{rnd.round_name}"
+        rnd.open()
+        if call.members.kind == "store":  # "fiws/<generation>/<ranks>/<position>/": on every rank
+            call.round_key, call.vote = rnd.prefix, rnd
         record = _local.record(call, decision, _set_key(call.members))
         return rnd.vote(record), record
     except (_store.StoreTimeout, _store.StoreUnavailable) as exc:
@@ -229,7 +245,7 @@ def _run_round(rnd, call: _Call, decision: Decision):
 
 def _decide_round(decision: Decision, call: _Call) -> Decision:
     rnd = _round_for(call.members, call.ident, call.deadline, call.settings,
-                     _request.summary(call.req))
+                     _request.summary(call.req), call.position)
     outcome, record = _run_round(rnd, call, decision)
     decision.elapsed_ms = (time.perf_counter() - call.start) * 1000
     if outcome.register is not None and outcome.register.outcome == PASS:  # all reject it
@@ -246,21 +262,24 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
                       or _checks.named_in(outcome.missing)) or "-"
     info = _explain.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
-    if _keep(outcome, call.members.kind):
+    if _keep(outcome, call.members.kind, call.ident):
         _remember(call.wkey, call.fast, info, call.epoch)
     return decision
 
 
-def _keep(outcome, kind: str) -> bool:
-    """Whether a veto is cached: a decided register, unless a mismatch alone decided it
-    (two threads may make the same two calls in another order on each rank). Judged from
-    the register, which every rank reads alike, not from this rank's own no. Without one:
+def _keep(outcome, kind: str, ident: str = "") -> bool:
+    """Whether a veto is cached: a decided register, unless a mismatch decided it (two
+    threads may make the same two calls in another order on each rank) or it was written
+    for another call than this rank's (the group's calls are out of step). Judged from the
+    register, which every rank reads alike, not from this rank's own no. Without one:
     kept for a local decision; for a comm backend only if both exchanges matched."""
     if outcome.in_doubt:
         return False
     reg = outcome.register
     if reg is not None:
-        return not (reg.mismatch or tuple(reg.reasons) == (R.ARG_MISMATCH,))
+        if reg.call and ident and reg.call != ident:
+            return False
+        return R.ARG_MISMATCH not in reg.reasons
     if kind == "local":
         return True
     verdict = outcome.verdict
@@ -268,17 +287,17 @@ def _keep(outcome, kind: str) -> bool:
 
 
 def _tell_peers_no(members, record, deadline, settings) -> None:
-    """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours).
-    Serialised with this rank's other decisions on the set, like every round: two threads
-    must not count the same round out twice."""
-    lock = _set_lock(members)
-    if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
-        return  # the peers time out on this rank's record: a veto there too
+    """Publish this rank's "no" for a call it cannot decide (bounded; errors are ours), in
+    the position this call takes on the set, like every call."""
+    group, key = _positions.current(), _set_key(members)
+    position = group.take(key)
     try:
-        rnd = _round_for(members, record.call, deadline, settings, record.args)
+        if not group.turn(key, position, deadline):
+            return  # the peers time out on this rank's record: a veto there too
+        rnd = _round_for(members, record.call, deadline, settings, record.args, position)
         try:
-            if rnd.open() is None:
-                rnd.vote(record)
+            rnd.open()
+            rnd.vote(record)
         except Exception as exc:  # noqa: BLE001
             internal_error("vote.unbound", exc)
             rnd.abort_now("arguments do not bind")
@@ -286,23 +305,29 @@ def _tell_peers_no(members, record, deadline, settings) -> None:
             rnd.abort_now("interrupted")
             raise
     finally:
-        lock.release()
+        group.done(key, position)
 
 
 def _set_key(members) -> str:
-    return members.kind + ":" + _vote.members_key(members.ranks)
+    return _set_key_of(members.kind, members.ranks)
+
+
+def _set_key_of(kind: str, ranks) -> str:
+    return kind + ":" + _vote.members_key(ranks)
+
+
+_set_locks: dict = {}  # set key -> the lock serialising this process's allgather decisions
 
 
 def _set_lock(members):  # the lock that serialises this process's decisions on a rank set
-    return _board.set_lock(_set_key(members))
+    with _cache_lock:
+        return _set_locks.setdefault(_set_key(members), threading.Lock())
 
 
-def _round_for(members, ident, deadline, settings, args=None):
+def _round_for(members, ident, deadline, settings, args=None, position=-1):
     if members.kind == "store":
-        rnd = _round.StoreRound(_store.line(settings.vote_timeout), members.ranks, members.me,
-                                ident, deadline, members.label, args)
-        rnd.line_timeout = settings.vote_timeout
-        return rnd
+        return _driver.StoreVote(members.ranks, members.me, ident, deadline,
+                                 settings.vote_timeout, position, members.label, args)
     if members.kind == "allgather":
         return _allgather.AllgatherRound(members.comm, members.size, members.me, ident, deadline,
                                     members.label)

@@ -160,8 +160,12 @@ def _run_checks(call, facts, progress):
 
 
 def _exchange_for(call):
-    """The deep probe's exchange, keyed by this call's store round (None without one)."""
+    """The deep probe's exchange, keyed by this call's store round (None without one),
+    bounded by the round: its deadline less twice the margin the record keeps for the vote
+    (the plan and probe still run after it, and a peer that never came must still be seen
+    absent by the vote, not blamed on this check)."""
     if call.members.kind != "store" or not call.round_key:
         return None
+    until = call.deadline - 2 * min(0.5, call.settings.vote_timeout / 10)
     return _exchange.for_round(call.round_key, "deep", call.members.ranks, call.members.me,
-                               call.settings.vote_timeout)
+                               call.settings.vote_timeout, until)

@@ -1,5 +1,6 @@
 """A head start for the first decision: what it would do once per process, done when the
-shim hooks FlashInfer (``install()``, or FlashInfer's import under the activation).
+shim hooks FlashInfer (``install()``, or FlashInfer's import under the activation): the
+imports, the store lines and the group's generation (one ``add``).
 
 The planning modules are imported (pure Python: some 5 ms that the first decision no
 longer pays), and, where a default process group exists already, our store lines are
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from . import _config
-from .agreement import store as _store, vote as _vote
+from .agreement import positions as _positions, store as _store, vote as _vote
 
 
 def prepare() -> None:
@@ -26,6 +27,9 @@ def prepare() -> None:
         if dist is None or not dist.is_initialized():  # no group yet: the first decision opens
             return
         world = _vote.members_key(tuple(range(dist.get_world_size())))
-        _store.prepare(_config.current().vote_timeout, world)
+        timeout = _config.current().vote_timeout
+        _store.prepare(timeout, world)
+        _store.check_world()  # the group's own generation, read on the line's thread
+        _positions.current().start_generation(_store.line(timeout), dist.get_world_size())
     except Exception:  # noqa: BLE001 - only a head start
         pass

@@ -190,6 +190,8 @@ class Core:
         removed as a leftover under a late rank's feet holds fewer)."""
         s = self.setup
         heads, payloads = _parse(blob)
+        payloads = [p for _, p in sorted(zip([h[0] for h in heads], payloads),
+                                         key=lambda pair: pair[0])]
         if sorted(pos for pos, _, _ in heads) != list(range(s.size)):
             text = s.codec.refuse(payloads, f"the round holds {len(heads)} records for "
                                   f"{s.size} ranks")

@@ -1,29 +1,34 @@
 """A small exchange of values among one round's ranks through the c10d store, for a check
-that needs one (the deep probe, ``checks/deep``): each rank publishes one value, reads its
-peers', says when it is done, and the last one through removes the keys.
+that needs one before the vote (the deep probe, ``checks/deep``): each rank publishes one
+value, reads its peers', says when it is done, and the last one through removes the keys.
 
-Its keys are named after the round (``fiws-x/<ranks>/<call>/<n>/<name>``), so the
-ranks of one round always pair with each other: a rank that skipped an earlier round (it
-arrived after that round was decided, and ran no checks) cannot shift it. Every wait is
-bounded by the caller's deadline and polls the round's store line.
+Its keys are under the round's own prefix (``fiws/<generation>/<ranks>/<position>/x/
+<name>/``), so the ranks of one round always pair. It is bounded by the round: every wait
+ends at ``until`` (the round's deadline less the time the vote needs), or as soon as the
+round's register is written (a peer said no, or gave up): then ``stopped`` says so, and the
+vote that follows reads that register. Waits poll with ``check``, which wakes nobody.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Optional
 
 from . import store as _store
 
 POLL_S = 0.005
+GRACE_S = 0.2  # one operation past the bound (the first look at a bound already passed)
 
 
 class Exchange:
     """One named exchange of one round: ``ranks`` (global ranks), this rank at ``me``."""
 
-    def __init__(self, line, round_key: str, name: str, ranks: tuple, me: int):
-        self.line, self.ranks, self.me = line, tuple(ranks), me
-        self.base = f"fiws-x/{round_key}/{name}"
+    def __init__(self, line, prefix: str, name: str, ranks: tuple, me: int, until: float):
+        self.line, self.ranks, self.me, self.until = line, tuple(ranks), me, until
+        self.base = f"{prefix}x/{name}"
+        self.register = f"{prefix}d"
+        self.stopped = ""  # why a wait ended early: "decided" (the register is written)
 
     def _value(self, pos) -> str:
         return f"{self.base}/v/{pos}"
@@ -43,59 +48,81 @@ class Exchange:
     def peers(self) -> list:
         return [p for p in range(len(self.ranks)) if p != self.me]
 
-    def publish(self, value: dict, deadline: float) -> None:
-        key, text = self._value(self.me), json.dumps(value)
-        self.line.call(lambda s: s.set(key, text), deadline)
+    def _bound(self) -> float:
+        """Where one operation gives up: the exchange's bound, or a little after now when
+        that has passed (one try is always made, however late)."""
+        return max(self.until, time.monotonic()) + GRACE_S
 
-    def gather(self, deadline: float) -> tuple:
-        """``({position: value}, missing positions)``: the peers' values, once all are in
-        or at ``deadline`` (then ``missing`` names the positions that never published)."""
-        found = self._wait({p: self._value(p) for p in self.peers()}, deadline)
+    def decided(self) -> bool:
+        """Whether the round's register is written (one ``check``)."""
+        key = self.register
+        try:
+            return bool(self.line.call(lambda s: s.check([key]), self._bound()))
+        except Exception:  # noqa: BLE001 - not known: the bound still holds
+            return False
+
+    def publish(self, value: dict) -> None:
+        key, text = self._value(self.me), json.dumps(value)
+        self.line.call(lambda s: s.set(key, text), self._bound())
+
+    def gather(self) -> tuple:
+        """``({position: value}, missing positions)``: the peers' values, once all are in,
+        or at the bound (``missing`` names the positions that never published)."""
+        found = self._wait({p: self._value(p) for p in self.peers()})
         return {p: json.loads(v) for p, v in found.items()}, [
             p for p in self.peers() if p not in found]
 
-    def done(self, deadline: float) -> None:
+    def done(self) -> None:
         key = self._done(self.me)
-        self.line.call(lambda s: s.set(key, "1"), deadline)
+        self.line.call(lambda s: s.set(key, "1"), self._bound())
 
-    def wait_done(self, positions, deadline: float) -> list:
-        """The positions of ``positions`` not done by ``deadline`` (``[]``: all done)."""
-        found = self._wait({p: self._done(p) for p in positions}, deadline)
+    def wait_done(self, positions) -> list:
+        """The positions of ``positions`` not done by the bound (``[]``: all done)."""
+        found = self._wait({p: self._done(p) for p in positions})
         return [p for p in positions if p not in found]
 
-    def finish(self, takers: int, deadline: float) -> None:
+    def finish(self, takers: int) -> None:
         """Count this rank through; the last of ``takers`` removes every key (each value
         was read before anyone counts). Best effort: a leftover key is a few bytes."""
         keys, count = self.keys(), self._count
         try:
-            if self.line.call(lambda s: s.add(count, 1), deadline) >= takers:
-                self.line.call(lambda s: [s.delete_key(k) for k in keys], deadline)
+            if self.line.call(lambda s: s.add(count, 1), self._bound()) >= takers:
+                self.line.call(lambda s: [s.delete_key(k) for k in keys], self._bound())
         except Exception:  # noqa: BLE001 - cleanup only
             pass
 
-    def _wait(self, wanted: dict, deadline: float) -> dict:
-        """``{position: value}`` of the keys in ``wanted`` present by ``deadline``."""
-        names, have = list(wanted.values()), []
+    def _wait(self, wanted: dict) -> dict:
+        """``{position: value}`` of the keys in ``wanted`` present by the bound, or when
+        the round's register is written."""
+        names, have, register = list(wanted.values()), [], self.register
         while True:
-            try:  # a poll cut short by the bound keeps what the last one found
-                there = self.line.call(lambda s: [s.check([k]) for k in names], deadline)
+            try:  # a poll cut short by the bound keeps what the last one found (one look
+                # is always taken, however late)
+                there, decided = self.line.call(
+                    lambda s: ([s.check([k]) for k in names], s.check([register])), self._bound())
                 have = [p for p, ok in zip(wanted, there) if ok]
             except _store.StoreTimeout:
-                pass
-            if len(have) == len(wanted) or time.monotonic() >= deadline:
+                decided = False
+            if len(have) == len(wanted):
+                break
+            if decided:
+                self.stopped = "decided"
+                break
+            if time.monotonic() >= self.until:
                 break
             time.sleep(POLL_S)
         if not have:
             return {}
         keys = [wanted[p] for p in have]
         try:
-            values = self.line.call(lambda s: s.multi_get(keys), deadline + 0.2)
+            values = self.line.call(lambda s: s.multi_get(keys), self._bound())
         except _store.StoreTimeout:
             return {}
         return dict(zip(have, values))
 
 
-def for_round(round_key: str, name: str, ranks: tuple, me: int, vote_timeout: float) -> Exchange:
-    """The exchange ``name`` of the round ``round_key`` (``"<ranks>/<call>/<n>"``, the
-    same on every rank of the round) on this process's store line."""
-    return Exchange(_store.line(vote_timeout), round_key, name, ranks, me)
+def for_round(prefix: str, name: str, ranks: tuple, me: int, vote_timeout: float,
+              until: float) -> Optional[Exchange]:
+    """The exchange ``name`` of the round with key prefix ``prefix`` on this process's
+    store line, bounded by ``until``."""
+    return Exchange(_store.line(vote_timeout), prefix, name, ranks, me, until)

@@ -8,7 +8,7 @@ import re
 from typing import Optional
 
 from .. import _reasons as _rec
-from .record import NO, Candidate, Record
+from .record import ABORT, NO, Candidate, Record, Register
 from ..planning.plan import MiB
 from ..planning.probe import CUDA_ERROR_OUT_OF_MEMORY
 
@@ -73,25 +73,32 @@ def _advice(reasons: set) -> str:
 
 
 def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
-    """The message for a vetoed decision (``outcome``: the round's ``vote.Outcome``)."""
+    """The message for a vetoed decision (``outcome``: the round's ``vote.Outcome``). A
+    register that explains its abort (its decider read the records, or said no itself)
+    gives every rank the same details; the rest is this rank's own account."""
     ranks = list(members.ranks) if members is not None else []
     need = f" (plan {plan.peak_bytes / MiB:.1f} MiB per rank)" if plan is not None else ""
     head = f"FlashInfer all-reduce workspace not created on any of ranks {ranks}{need}: "
-    verdict, records = outcome.verdict, outcome.records
+    verdict, records, reg = outcome.verdict, outcome.records, outcome.register
     details, named, reasons = [], [], set()
-    if verdict is not None and records and not verdict.commit:
+    short = ()
+    if reg is not None and not reg.commit and reg.details:
+        details, named, reasons = list(reg.details), list(reg.named), set(reg.reasons)
+        short = reg.short
+        own = record.call if record is not None else ""
+        if reg.call and own and reg.call != own:  # the round's other rank(s) made another call
+            details.append("this rank made another call at this position: the group's "
+                           "calls are out of step or their arguments differ")
+            reasons.add(_rec.ARG_MISMATCH)
+    elif verdict is not None and records and not verdict.commit:
         _from_verdict(verdict, records, ranks, details, named, reasons)
     elif record is not None and not record.is_yes():
         for cand in record.candidates.values():
             details.append(describe(record, cand))
             reasons.add(cand.reason)
         named.append(record.rank)
-    register_why = (outcome.register.why if outcome.register is not None else "") or ""
-    decided = set(outcome.register.reasons) if outcome.register is not None else set()
-    if outcome.followed:
-        details.append(f"{register_why or 'abort'} (decided before this rank arrived)")
-        reasons.update(decided or {_rec.ABORTED})
-    elif outcome.missing:
+    register_why = (reg.why if reg is not None else "") or ""
+    if outcome.missing:
         reasons.add(_missing_reason(outcome))
         absent = list(outcome.absent)
         lead = (f"ranks {absent} did not answer in time" if absent
@@ -100,10 +107,63 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
         named.extend(absent)
     elif not details:
         details.append(f"the group aborted: {register_why or 'no reason given'}")
-        reasons.update(decided or {_rec.ABORTED})
+        reasons.update(set(reg.reasons) if reg is not None and reg.reasons else {_rec.ABORTED})
     message = head + "; ".join(details) + ". " + _advice(reasons)
     return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details),
-                    tuple(sorted(reasons)), short=_shortfalls(outcome, record))
+                    tuple(sorted(reasons)), short=short or _shortfalls(outcome, record))
+
+
+# --------------------------------------------------------------------------- registers
+#
+# What a deciding rank writes: the register carries the explanation, so every rank's veto
+# reads the same whether it read the records or only the register.
+
+
+def decided(verdict, records: list, by: int, call: str) -> Register:
+    """The register of the rank that completed the count and read every record."""
+    if verdict.commit:
+        return Register("commit", by, "every rank voted yes", call=call, complete=True)
+    if verdict.all_pass:
+        return Register("pass", by, verdict.why, call=call, complete=True)
+    details, named, reasons = [], [], set()
+    try:
+        _from_verdict(verdict, records, [], details, named, reasons)
+    except Exception:  # noqa: BLE001 - only for the message: the abort stands
+        details = [verdict.why]
+    short = _shortfalls(_Seen(verdict, records), None)
+    return Register(ABORT, by, verdict.why, check=verdict.check, reasons=tuple(sorted(reasons)),
+                    details=tuple(details), named=tuple(sorted({r for r in named
+                                                                if isinstance(r, int)})),
+                    short=short, call=call, complete=True)
+
+
+def said_no(record: Record) -> Register:
+    """The register a rank that said no writes at once."""
+    cands = list(record.candidates.values())
+    details = [describe(record, cand) for cand in cands] or [f"rank {record.rank} said no"]
+    why = "; ".join(details) or f"rank {record.rank} said no: {record.no_text()}"
+    return Register(ABORT, record.rank, why, check=record.failed_check(),
+                    reasons=record_reasons(record), details=tuple(details),
+                    named=(record.rank,) if isinstance(record.rank, int) else (),
+                    short=_shortfalls(_Seen(None, []), record), call=record.call)
+
+
+def timed_out(rank: int, vote_timeout: float, call: str) -> Register:
+    """The register a rank writes at its deadline (every rank that follows it says the
+    group aborted; the writer names the ranks that never arrived)."""
+    return Register(ABORT, rank, f"rank {rank} reached its deadline ({vote_timeout:g} s) before "
+                    "every rank's yes was in", call=call)
+
+
+def interrupted(rank: int, why: str, call: str) -> Register:
+    return Register(ABORT, rank, f"rank {rank}: {why}", call=call)
+
+
+@dataclasses.dataclass
+class _Seen:  # what ``_shortfalls`` reads of an outcome
+    verdict: object
+    records: list
+    register: object = None
 
 
 def verdict_reasons(verdict, records) -> tuple:

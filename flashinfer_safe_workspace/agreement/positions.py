@@ -39,16 +39,54 @@ class Group:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._turns = threading.Condition(self._lock)
         self._next: dict = {}  # rank-set key -> the position of its next call
+        self._front: dict = {}  # rank-set key -> its lowest position not done yet
+        self._done: dict = {}  # rank-set key -> positions done above the front
         self.generation: Optional[int] = None
         self._pending = None  # the store operation reading the generation, once submitted
+        self.leftovers: dict = {}  # rank-set key -> prefixes of rounds left behind (``driver``)
 
     def take(self, set_key: str) -> int:
-        """The position of this call on the rank set (every call takes one)."""
+        """The position of this call on the rank set (every call takes one, in the order
+        the calls reach the wrapper)."""
         with self._lock:
             pos = self._next.get(set_key, 0)
             self._next[set_key] = pos + 1
             return pos
+
+    def skip(self, set_key: str) -> int:
+        """A call answered without a round (a cached veto, a pass-through): its position
+        is taken and done at once."""
+        pos = self.take(set_key)
+        self.done(set_key, pos)
+        return pos
+
+    def turn(self, set_key: str, pos: int, deadline: float) -> bool:
+        """Wait (bounded) until every earlier position of the set is done here: a rank's
+        rounds run in position order, so a rank that arrives at a round has answered, or
+        skipped, every earlier one (``driver``'s leftovers rely on it). False at
+        ``deadline``."""
+        import time
+
+        with self._turns:
+            while self._front.get(set_key, 0) != pos:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._turns.wait(min(left, 0.1))
+            return True
+
+    def done(self, set_key: str, pos: int) -> None:
+        with self._turns:
+            finished = self._done.setdefault(set_key, set())
+            finished.add(pos)
+            front = self._front.get(set_key, 0)
+            while front in finished:
+                finished.discard(front)
+                front += 1
+            self._front[set_key] = front
+            self._turns.notify_all()
 
     def start_generation(self, line, size: int):
         """Submit the one ``add`` that numbers this group on its store (once); the
@@ -80,17 +118,34 @@ class Group:
 
 
 GROUP = Group()
+_replaced: list = []  # groups replaced in this process whose leftovers are still to go
 
 
 def current() -> Group:
     return GROUP
 
 
-def _start_anew():
+def replaced() -> list:
+    """The replaced groups not handed out yet (each once): their leftovers go on the new
+    group's line."""
+    out = list(_replaced)
+    del _replaced[: len(out)]
+    return out
+
+
+def _new_world():
     global GROUP
+    if GROUP.leftovers:
+        _replaced.append(GROUP)
     GROUP = Group()
 
 
-_store.on_new_world(_start_anew)  # a new default group: its own generation and positions
+def _after_fork():  # the child is no rank of the parent's group: it starts with nothing
+    global GROUP
+    GROUP = Group()
+    _replaced.clear()
+
+
+_store.on_new_world(_new_world)  # a new default group: its own generation and positions
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_start_anew)
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,10 +1,11 @@
-"""What crosses the wire: a rank's record, a round's register, a rank's board entry.
+"""What crosses the wire: a rank's record and a round's register.
 
 Every value the agreement writes to the store (or hands to a comm backend's
-``allgather``) is one of these dataclasses as JSON, with the wire version first. Nothing
-else builds or reads those JSON texts: a peer that runs another wire version, or a value
-that does not parse, reads as :class:`Unreadable` (a "no" for a record, an ``abort`` for a
-register), never as an exception in the round.
+``allgather``) is one of these dataclasses as JSON carrying the wire version. Nothing
+else builds or reads those texts: a peer that runs another wire version, or a value that
+does not parse, reads as :class:`Unreadable` (a "no" for a record, an ``abort`` for a
+register), never as an exception in the round. A register's text starts with its outcome
+and ``|`` (``commit|{...}``), so the core reads the outcome without parsing the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import json
 from typing import Optional, Union
 
-WIRE = 6  # bump on any change of the fields below or of the values a round writes
+WIRE = 7  # bump on any change of the fields below or of the values a round writes
 
 from .._reasons import OK, REASON_TEXT
 
@@ -21,9 +22,6 @@ from .._reasons import OK, REASON_TEXT
 YES, NO, PASS_STATE = "ok", "no", "pass"
 # register outcomes
 COMMIT, ABORT, PASS = "commit", "abort", "pass"
-# a round's ``ready`` key (written once): every record is in and all say yes, so each
-# waiting rank is asked to acknowledge (PROPOSE); or the register is decided already (WAKE)
-PROPOSE, WAKE = f"propose/{WIRE}", f"wake/{WIRE}"
 
 
 class Unreadable(ValueError):
@@ -126,14 +124,20 @@ class Record:
 
 @dataclasses.dataclass(frozen=True)
 class Register:
-    """A round's decision, written once with ``compare_set``: the first write wins."""
+    """A round's decision, written once with ``compare_set``: the first write wins. It
+    carries the whole explanation of an abort, so every rank's veto names the same cause
+    with the same words, whether it read the records or only this register."""
 
     outcome: str  # COMMIT, ABORT or PASS
     by: Optional[int] = None  # the rank whose write won
     why: str = ""
-    mismatch: tuple = ()  # Records (stand-ins) of the peers that made another call
     check: str = ""  # the check that decided an abort ("" when none did)
     reasons: tuple = ()  # the deciding cause's reason codes (``_reasons``; () when unknown)
+    details: tuple = ()  # the explanation, one text per rank or cause (``explain``)
+    named: tuple = ()  # the ranks the explanation names
+    short: tuple = ()  # (rank, device, bytes short) of each rank out of memory
+    call: str = ""  # the call identity of the rank that wrote it
+    complete: bool = False  # written by the rank that completed the count: every rank arrived
     wire: int = WIRE
 
     @property
@@ -143,8 +147,12 @@ class Register:
     def to_json(self) -> str:
         body = dataclasses.asdict(self)
         body["why"] = str(self.why)[:500]
-        body["mismatch"] = [json.loads(r.to_json()) for r in self.mismatch]
+        body["details"] = [str(d)[:600] for d in self.details[:16]]
         return json.dumps(body, sort_keys=True, default=str)
+
+    def to_text(self) -> str:
+        """The value a round's register holds: ``<outcome>|<json>``."""
+        return f"{self.outcome}|{self.to_json()}"
 
     @classmethod
     def from_json(cls, raw: Union[str, bytes]) -> "Register":
@@ -152,9 +160,10 @@ class Register:
         read (an earlier wire version, a foreign key)."""
         try:
             body = _parse(raw, "register")
-            body["mismatch"] = tuple(Record.from_json(json.dumps(r))
-                                     for r in body.get("mismatch", ()))
-            body["reasons"] = tuple(int(c) for c in body.get("reasons", ()))
+            for name in ("reasons", "named"):
+                body[name] = tuple(int(c) for c in body.get(name, ()))
+            body["details"] = tuple(str(d) for d in body.get("details", ()))
+            body["short"] = tuple(tuple(int(x) for x in entry) for entry in body.get("short", ()))
             reg = cls(**body)
         except (Unreadable, TypeError, ValueError, AttributeError) as exc:
             return cls(ABORT, why=f"unreadable register ({exc})")
@@ -162,29 +171,28 @@ class Register:
             return cls(ABORT, why=f"unreadable register outcome {reg.outcome!r}")
         return reg
 
-
-@dataclasses.dataclass(frozen=True)
-class Board:
-    """A rank's latest round on one rank set: which round, waiting or done, its arguments,
-    and how many calls it had made on the set when it opened that round (``board``)."""
-
-    generation: int
-    round: str  # "<call>/<n>"
-    state: str  # "wait" | "no" | "done"
-    args: dict = dataclasses.field(default_factory=dict)
-    calls: int = 0
-    world: int = -1  # the default group's generation on this store (``board.world_of``)
-    wire: int = WIRE
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
-
     @classmethod
-    def from_json(cls, raw: Union[str, bytes]) -> Optional["Board"]:
-        try:
-            return cls(**_parse(raw, "board"))
-        except (Unreadable, TypeError):
-            return None
+    def from_text(cls, raw: Union[str, bytes]) -> "Register":
+        """A register's value (``to_text``); an unreadable one reads as an abort."""
+        text = _text(raw)
+        head, sep, body = text.partition("|")
+        reg = cls.from_json(body) if sep else cls(ABORT, why="unreadable register (no outcome)")
+        if sep and reg.outcome != head:
+            return cls(ABORT, why=f"unreadable register (outcome {head!r} against {reg.outcome!r})")
+        return reg
+
+
+def outcome_of(raw: Union[str, bytes]) -> str:
+    """A register value's outcome from its head alone: COMMIT, PASS, or ABORT for anything
+    else (an unreadable value never commits)."""
+    head = _text(raw).partition("|")[0]
+    return head if head in (COMMIT, PASS) else ABORT
+
+
+def _text(raw) -> str:
+    if isinstance(raw, (bytes, bytearray)):
+        return bytes(raw).decode(errors="replace")
+    return str(raw)
 
 
 def _parse(raw, what: str) -> dict:

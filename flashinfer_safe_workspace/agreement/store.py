@@ -74,6 +74,8 @@ class StoreLine:
                 try:                 # up meanwhile is then never sent
                     if self._closed:  # never the new group's store for an old round
                         raise StoreUnavailable("the process group of this line was replaced")
+                    if _gone is not None and self.epoch == _epoch:  # no new connection to a
+                        raise StoreUnavailable(_gone)  # store host known to be gone
                     self._store = self._opener()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting op
                     with self._wake:
@@ -101,6 +103,10 @@ class StoreLine:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc
                 _note_failure(exc, self.epoch)
+                # a request that failed (its connection broke, or it ran out of time and its
+                # answer may still come) leaves the connection in no known state: the next
+                # operation opens a new one
+                self._store = None
             finally:
                 self.busy_since = None
                 op.done.set()
@@ -168,6 +174,19 @@ class StoreLine:
         """Seconds the operation in progress has been running (0 when idle)."""
         since = self.busy_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def wait_op(op: "_Op", deadline: float):
+    """Wait for a submitted operation in slices until ``deadline`` (monotonic): its value,
+    its error raised (``plain``), or ``StoreTimeout``."""
+    while not op.done.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreTimeout("the c10d store did not answer in time")
+        op.done.wait(min(left, SLICE_S))
+    if op.error is not None:
+        raise plain(op.error)
+    return op.value
 
 
 def _open_clone(strict: bool = False):

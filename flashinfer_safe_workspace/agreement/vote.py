@@ -38,10 +38,11 @@ from typing import Callable, Optional
 from .._log import internal_error
 from .._reasons import INTERNAL_ERROR
 from ..planning.plan import digest
-from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register
+from . import core as _core, explain as _explain
+from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register, read_record
 
-__all__ = ["GRACE_S", "LocalRound", "Outcome", "Verdict", "digest", "members_key", "resolve",
-           "use_comparison"]
+__all__ = ["GRACE_S", "LocalRound", "Outcome", "Verdict", "codec_for", "digest", "members_key",
+           "resolve", "use_comparison"]
 
 GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
 # register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
@@ -140,6 +141,38 @@ def resolve(records: list) -> Verdict:
     if differ:
         return Verdict(False, "plans differ between ranks", cand, plan_mismatch=differ)
     return Verdict(True, "every rank voted yes", cand)
+
+
+# --------------------------------------------------------------------------- the codec
+
+
+def codec_for(rank: int, call: str) -> _core.Codec:
+    """The core's view of the values (``core.Codec``) for rank ``rank`` deciding ``call``:
+    registers from the records, with their explanation (``explain``)."""
+    def verdict(payloads: list) -> str:
+        records = [read_record(p) for p in payloads]
+        return _explain.decided(resolve(records), records, rank, call).to_text()
+
+    def refuse(payloads: list, why: str) -> str:
+        records = [read_record(p) for p in payloads]
+        try:
+            found = resolve(records) if records else Verdict(False, why)
+        except Exception as exc:  # noqa: BLE001 - only for the message: the abort stands
+            internal_error("vote.refuse", exc)
+            found = Verdict(False, why)
+        if found.commit or found.all_pass:  # the core refuses it: never a commit or a pass
+            found = Verdict(False, why)
+        return _explain.decided(found, records, rank, call).to_text()
+
+    return _core.Codec(verdict, refuse, _outcome, _complete)
+
+
+def _outcome(text: str) -> str:
+    return Register.from_text(text).outcome
+
+
+def _complete(text: str) -> bool:
+    return Register.from_text(text).complete
 
 
 # --------------------------------------------------------------------------- outcome

@@ -1,7 +1,7 @@
 """``agreement/record.py``: the typed, versioned records that cross the wire. Round trips
 keep every field; another wire version, a value that is not JSON or not an object, and a
 record with unknown or missing fields read as unreadable (a "no" for a record, an abort
-for a register, nothing for a board), never as an exception in the round."""
+for a register), never as an exception in the round."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from flashinfer_safe_workspace import _reasons as R
 from flashinfer_safe_workspace.agreement import record as W
 from flashinfer_safe_workspace.agreement.record import (ABORT, COMMIT, NO, PASS, PASS_STATE,
-                                                        WIRE, YES, Board, Candidate, CheckResult,
+                                                        WIRE, YES, Candidate, CheckResult,
                                                         Record, Register, Unreadable, read_record)
 from unit.facts import record, with_check
 
@@ -30,7 +30,7 @@ FULL = Record(rank=3, pid=77, position=1, call="c1", args={"n": 1, "dtype": "bfl
 def test_constants_of_the_wire():
     assert (YES, NO, PASS_STATE) == ("ok", "no", "pass")
     assert (COMMIT, ABORT, PASS) == ("commit", "abort", "pass")
-    assert (W.PROPOSE, W.WAKE) == (f"propose/{WIRE}", f"wake/{WIRE}")
+    assert WIRE == 7
 
 
 def test_record_round_trip_keeps_every_field():
@@ -124,20 +124,26 @@ def test_stand_in():
 
 # ---------------------------------------------------------------- the register
 def test_register_round_trip():
-    reg = Register(ABORT, 2, "why", (Record.stand_in(1, "c", {"n": 1}), FULL),
-                   check="hosts", reasons=(R.HOSTS_SPAN, R.ARG_MISMATCH))
+    reg = Register(ABORT, 2, "why", check="hosts", reasons=(R.HOSTS_SPAN, R.ARG_MISMATCH),
+                   details=("rank 1: hosts differ",), named=(1, 2), short=((1, 0, 5),),
+                   call="c1", complete=True)
     text = reg.to_json()
     assert json.loads(text)["wire"] == WIRE
     assert Register.from_json(text) == reg
     assert Register.from_json(text.encode()) == reg
+    assert Register.from_text(reg.to_text()) == reg
+    assert reg.to_text().startswith("abort|{")  # the outcome first: the core reads it alone
     assert Register.from_json(Register(COMMIT).to_json()) == Register(COMMIT)
     assert Register(COMMIT).commit and not Register(ABORT).commit and not Register(PASS).commit
-    assert Register(PASS) == Register(PASS, None, "", (), "", (), WIRE)
+    assert Register(PASS) == Register(PASS, None, "", "", (), (), (), (), "", False, WIRE)
 
 
-def test_register_why_is_cut_to_500():
+def test_register_why_and_details_are_cut():
     assert len(json.loads(Register(ABORT, 0, "w" * 900).to_json())["why"]) == 500
     assert Register.from_json(Register(ABORT, 0, "w" * 900).to_json()).why == "w" * 500
+    long = Register(ABORT, 0, details=tuple("d" * 700 for _ in range(20)))
+    back = Register.from_json(long.to_json())
+    assert len(back.details) == 16 and {len(d) for d in back.details} == {600}
 
 
 @pytest.mark.parametrize("raw,why", [
@@ -147,9 +153,7 @@ def test_register_why_is_cut_to_500():
      f"unreadable register (register: wire version {WIRE - 1}, expected {WIRE})"),
     (json.dumps({"wire": WIRE, "outcome": "commit", "bogus": 1}), "unreadable register ("),
     (json.dumps({"wire": WIRE, "outcome": "commit", "reasons": ["x"]}), "unreadable register ("),
-    (json.dumps({"wire": WIRE, "outcome": "commit", "mismatch": [{"wire": 1}]}),
-     "unreadable register (record: wire version 1"),
-    (json.dumps({"wire": WIRE, "outcome": "commit", "mismatch": 5}), "unreadable register ("),
+    (json.dumps({"wire": WIRE, "outcome": "commit", "short": [["a"]]}), "unreadable register ("),
     (json.dumps({"wire": WIRE, "outcome": "maybe"}), "unreadable register outcome 'maybe'"),
     (json.dumps({"wire": WIRE}), "unreadable register ("),
 ])
@@ -157,21 +161,16 @@ def test_an_unreadable_register_is_an_abort(raw, why):
     reg = Register.from_json(raw)
     assert reg.outcome == ABORT and not reg.commit
     assert reg.why.startswith(why), reg.why
-    assert (reg.by, reg.mismatch, reg.check, reg.reasons) == (None, (), "", ())
+    assert (reg.by, reg.check, reg.reasons, reg.complete) == (None, "", (), False)
 
 
-# ---------------------------------------------------------------- the board
-def test_board_round_trip_and_unreadable_boards():
-    b = Board(3, "c/2", "wait", {"n": 1}, 5, 7)
-    assert Board.from_json(b.to_json()) == b
-    assert Board.from_json(b.to_json().encode()) == b
-    assert json.loads(b.to_json())["world"] == 7  # the default group's generation travels
-    assert Board(1, "r", "done") == Board(1, "r", "done", {}, 0, -1, WIRE)
-    assert Board.from_json("x") is None
-    assert Board.from_json(json.dumps({"wire": WIRE - 1})) is None
-    assert Board.from_json(json.dumps({"wire": WIRE, "generation": 1})) is None
-    assert Board.from_json(json.dumps({"wire": WIRE, "generation": 1, "round": "r",
-                                       "state": "no", "x": 1})) is None
+@pytest.mark.parametrize("raw", [
+    "commit", "commit|", "commit|nope", "abort" + Register(COMMIT).to_text()[6:],
+    "commit|" + Register(ABORT).to_json(), b"\xffcommit|{}",
+])
+def test_a_register_text_that_does_not_read_is_an_abort(raw):
+    """Whatever its head says: an outcome is read from the whole value or not at all."""
+    assert Register.from_text(raw).outcome == ABORT
 
 
 def test_the_record_text_is_stable_and_carries_any_argument():
@@ -181,12 +180,8 @@ def test_the_record_text_is_stable_and_carries_any_argument():
     assert text == json.dumps(json.loads(text), sort_keys=True)  # the same text on every rank
     odd = record(0, args={"group": PurePosixPath("g/1")})
     assert Record.from_json(odd.to_json()).args == {"group": "g/1"}  # repr'd, never an error
-    reg = Register(ABORT, 1, "w", (odd,))
-    assert json.loads(reg.to_json())["mismatch"][0]["args"] == {"group": "g/1"}
+    reg = Register(ABORT, 1, "w", details=("x",))
     assert reg.to_json() == json.dumps(json.loads(reg.to_json()), sort_keys=True)
-    board = Board(1, "r", "wait", {"p": PurePosixPath("x")})
-    assert Board.from_json(board.to_json()).args == {"p": "x"}
-    assert board.to_json() == json.dumps(json.loads(board.to_json()), sort_keys=True)
 
 
 def test_undecodable_bytes_are_unreadable():
@@ -194,7 +189,6 @@ def test_undecodable_bytes_are_unreadable():
         Record.from_json(b"\xff\xfe")
     assert read_record(bytearray(b"\xff")) is None
     assert Register.from_json(b"\xff").outcome == ABORT
-    assert Board.from_json(b"\xff") is None
 
 
 def test_a_register_without_optional_fields_reads():

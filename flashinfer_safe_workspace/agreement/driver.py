@@ -1,0 +1,371 @@
+"""Runs one rank's ``core.Core`` on the c10d store: its operations on our store lines, the
+replies back into it, the real clock against its deadline.
+
+The core decides everything; this module only carries. Two lines (``store``): the
+process's main line for the short operations and, per rank set, a waiting line for the
+one blocking wait (a thread blocked in ``wait`` holds its connection for every other
+operation). Each line runs the core's operations for it in the order the core emitted
+them, on the line's own thread, and hands each reply to the core there (under the
+decision's lock); the calling thread only waits, in slices, and tells the core the time
+when its deadline comes. So a healthy decision costs one hand-off to the main line and,
+for a rank that waits, one to the waiting line, whatever N.
+
+After the answer, the core's count-out (and, for the last rank out, the round's deletion)
+runs on the main line while the caller goes on. A rank that counted out short of the
+size after an abort remembers the round (``core.leftover``); the rounds it remembers go
+once it answers a later round of the set from the count's completer (``core.sweep``), or
+when the default group is replaced (``forget_group``).
+
+Without a waiting line (a store that cannot be cloned) the wait is a ``check`` every
+``POLL_S`` from the calling thread, which wakes nobody.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+import time
+from typing import Optional
+
+from .. import _points
+from . import core as _core, explain as _explain, positions as _positions, store as _store
+from .record import Record, Register
+from .vote import GRACE_S, Outcome, codec_for, members_key, read_record, resolve
+
+POLL_S = 0.005  # a wait without a waiting line: one check this often
+ABSENT = "\x00fiws:absent"  # never a value of ours: a compare_set with it only reads
+
+
+class StoreVote:
+    """One rank's vote in one round of a rank set through the c10d store."""
+
+    def __init__(self, ranks: tuple, me: int, ident: str, deadline: float, vote_timeout: float,
+                 position: int, label: str = "", args: Optional[dict] = None, *,
+                 lines: Optional[dict] = None, group=None, size: Optional[int] = None):
+        """``lines`` (``{"main": StoreLine, "wait": StoreLine or absent}``), ``group`` (a
+        ``positions.Group``) and ``size`` (the default group's size, for its generation)
+        default to this process's default group."""
+        self.ranks, self.me, self.ident, self.label = tuple(ranks), me, ident, label
+        self.rank = self.ranks[me]
+        self.deadline, self.vote_timeout, self.position = deadline, vote_timeout, position
+        self.args = args or {}
+        self.mkey = members_key(self.ranks)
+        self.epoch = _store.epoch()
+        self.group = group if group is not None else _positions.current()
+        self._given, self._size = lines, size
+        self.prefix = ""  # "fiws/<generation>/<ranks>/<position>/", once open
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._core: Optional[_core.Core] = None
+        self._queues = {"main": collections.deque(), "wait": collections.deque()}
+        self._active = {"main": False, "wait": False}
+        self._error: Optional[BaseException] = None
+        self._lines: dict = {}
+        self._polled: Optional[_core.Op] = None  # a wait done by polling (no waiting line)
+
+    # -- before the record
+
+    def open(self) -> None:
+        """Name the round (the group's generation: read once per group) and connect the
+        lines while this rank plans and probes."""
+        if self._given is not None:
+            self._lines = dict(self._given)
+        else:
+            self._lines["main"] = _store.line(self.vote_timeout)
+            waiting = _store.waiter(self.vote_timeout, self.mkey, self.epoch)
+            if waiting is not None:
+                self._lines["wait"] = waiting
+        if "wait" in self._lines:
+            self._lines["wait"].warm()
+        main = self._lines["main"]
+        for old in _positions.replaced():
+            forget_group(old, main)
+        size = self._size if self._size is not None else _group_size()
+        generation = self.group.generation_by(main, size, self.deadline)
+        self.prefix = _positions.prefix(generation, self.mkey, self.position)
+
+    def decided_before(self) -> bool:
+        """Whether the round's register is written already (one ``check``: it wakes
+        nobody). A rank that comes late asks before its deep probe."""
+        key = self.prefix + "d"
+        try:
+            return bool(self._lines["main"].call(lambda s: s.check([key]), self.deadline))
+        except Exception:  # noqa: BLE001 - then the probe runs, bounded by the round
+            return False
+
+    # -- the vote
+
+    def vote(self, record: Record) -> Outcome:
+        start = time.monotonic()
+        yes = record.is_yes()
+        codec = codec_for(self.rank, record.call)
+        texts = (_explain.said_no(record).to_text(),
+                 _explain.timed_out(self.rank, self.vote_timeout, record.call).to_text(),
+                 _explain.interrupted(self.rank, "interrupted", record.call).to_text())
+        setup = _core.Setup(self.prefix, len(self.ranks), self.me, yes, record.call,
+                            record.to_json(), self.deadline, GRACE_S, texts, codec)
+        with self._lock:
+            core, ops = _core.Core(setup).start()
+            self._apply(core, ops)
+        self._wait()
+        core = self._core
+        out = self._outcome(core, record)
+        out.elapsed_s = time.monotonic() - start
+        _points.hit("round.voted")
+        return out
+
+    def abort_now(self, why: str) -> None:
+        """Interrupted (or our own error) before or during the vote: this rank's abort is
+        written (bounded: the caller does not wait for the answer)."""
+        if not self.prefix:
+            return
+        with self._lock:
+            core = self._core
+            if core is None:  # before its record: the abort alone, no record
+                text = _explain.interrupted(self.rank, why, self.ident).to_text()
+                key = self.prefix + "d"
+                self._lines["main"].submit(lambda s: s.compare_set(key, "", text)).done.wait(0.2)
+                return
+            core, ops = core.on_interrupt(time.monotonic())
+            self._apply(core, ops)
+        deadline = time.monotonic() + 0.2
+        while self._queues["main"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # -- running the core
+
+    def _apply(self, core: _core.Core, ops: list) -> None:
+        """The core's next state and its operations (the lock is held)."""
+        before = self._core
+        self._core = core
+        if core.answer is not None:
+            if before is None or before.answer is None:
+                ops = list(ops) + self._answered(core)
+            self._done.set()
+        if before is not None and not _core.leftover(before) and _core.leftover(core):
+            _remember(self.group, self.mkey, self.prefix)
+        for op in ops:
+            line = op.line if op.line in self._lines else "main"
+            if op.kind == "wait" and "wait" not in self._lines:
+                self._polled = op  # the calling thread looks for the key
+                continue
+            self._queues[line].append(op)
+        for name, queue in self._queues.items():
+            if queue and not self._active[name]:
+                self._active[name] = True
+                self._lines[name].submit(lambda s, n=name: self._drain(s, n))
+
+    def _answered(self, core: _core.Core) -> list:
+        """Once answered: the rounds this rank left behind on the set go when this answer
+        shows every rank came (``core.sweep``)."""
+        older = _leftovers(self.group, self.mkey, self.prefix)
+        gone = _core.sweep(core, older)
+        if gone:
+            _forget(self.group, self.mkey, older)
+        return gone
+
+    def _drain(self, s, name: str) -> None:
+        """On a line's thread: run the queued operations in order, each reply to the core."""
+        while True:
+            with self._lock:
+                queue = self._queues[name]
+                if not queue:
+                    self._active[name] = False
+                    return
+                op = queue.popleft()
+            try:
+                value = _execute(s, op, self.deadline + GRACE_S + 1.0)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._failed(name, op, exc)
+                raise
+            if op.tag == _core.T_COUNT:
+                _points.hit("round.published")  # its record is in and it counted itself in
+            elif op.tag in (_core.T_WRITE, _core.T_FETCH):
+                _points.hit("round.before_register")  # the register's answer is on its way
+            if op.tag:
+                with self._lock:
+                    self._apply(*self._core.on_reply(op.tag, value))
+
+    def _failed(self, name: str, op: _core.Op, exc: BaseException) -> None:
+        """A store operation failed on line ``name``. The waiting line's failure moves its
+        operations to the main line (a wait becomes polling); the main line's leaves
+        this rank in doubt."""
+        with self._lock:
+            queue = self._queues[name]
+            if name == "wait" and self._core.answer is None:
+                rest = [op] + list(queue)
+                queue.clear()
+                self._active[name] = False
+                del self._lines["wait"]
+                self._apply(self._core, rest)
+                return
+            if self._error is None and self._core.answer is None:
+                self._error = exc
+            queue.clear()
+            self._active[name] = False
+            self._done.set()
+
+    def _wait(self) -> None:
+        """The calling thread: wait for the answer in slices; tell the core the time at
+        its deadline and after the grace; poll a wait without a waiting line."""
+        try:
+            while not self._done.is_set():
+                with self._lock:
+                    wake = self._core.wake_at()
+                now = time.monotonic()
+                pause = _store.SLICE_S if self._polled is None else POLL_S
+                if wake is not None:
+                    pause = min(pause, max(wake - now, 0.0))
+                self._done.wait(pause)
+                now = time.monotonic()
+                if self._done.is_set():
+                    break
+                if self._polled is not None:
+                    self._poll()
+                with self._lock:
+                    if wake is not None and now >= wake:
+                        self._apply(*self._core.on_tick(now))
+        except BaseException:
+            self.abort_now("interrupted")
+            raise
+
+    def _poll(self) -> None:
+        op = self._polled
+        try:
+            there = self._lines["main"].call(lambda s: s.check([op.key]),
+                                             self.deadline + GRACE_S)
+        except _store.StoreTimeout:
+            return
+        except Exception as exc:  # noqa: BLE001 - the store failed: in doubt
+            with self._lock:
+                self._error = self._error or exc
+                self._done.set()
+            return
+        if there:
+            with self._lock:
+                self._polled = None
+                self._apply(*self._core.on_reply(op.tag, None))
+
+    # -- the answer
+
+    def _outcome(self, core: _core.Core, record: Record) -> Outcome:
+        if core.answer is None or core.answer == _core.DOUBT:
+            why = (f"the c10d store did not answer in time: {_store.short(self._error)}"
+                   if self._error is not None else
+                   "the c10d store did not answer this rank's last write in time")
+            return Outcome(False, missing=why, in_doubt=True, key=self.prefix)
+        reg = Register.from_text(core.register)
+        out = Outcome(reg.commit, register=reg, key=self.prefix)
+        if core.seen:  # this rank completed the count and read every record
+            out.records = [read_record(p) for p in core.seen]
+            if all(r is not None for r in out.records):
+                out.verdict = resolve(out.records)
+        if not reg.commit and core.decider and core.proposed and \
+                core.register == core.setup.texts[1]:
+            absent = self._absent()  # its own deadline decided: who never came
+            waited = time.monotonic() - (self.deadline - self.vote_timeout)
+            out.absent = tuple(absent)
+            out.missing = (f"timed out after {waited:.1f} s waiting for ranks {absent}"
+                           if absent else "timed out")
+        return out
+
+    def _absent(self) -> list:
+        """The ranks whose record is not in the round (for the message only)."""
+        key = self.prefix + "r"
+        try:
+            raw = self._lines["main"].call(lambda s: _get_if(s, key), time.monotonic() + 0.5)
+        except Exception:  # noqa: BLE001 - only for the message
+            return []
+        heads, _ = _core._parse(raw or b"")
+        there = {pos for pos, _, _ in heads}
+        return [r for i, r in enumerate(self.ranks) if i not in there]
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _execute(s, op: _core.Op, until: float):
+    """One core operation on store ``s`` (our own connection)."""
+    kind = op.kind
+    if kind == "append":
+        s.append(op.key, op.value)
+        return None
+    if kind == "add":
+        return int(s.add(op.key, op.n))
+    if kind == "cas":
+        return s.compare_set(op.key, "", op.value)
+    if kind == "get":
+        return _get_if(s, op.key)
+    if kind == "check":
+        return bool(s.check([op.key]))
+    if kind == "wait":
+        # the store wakes it when the register is written: by a peer, or by this rank's
+        # own abort at its deadline, on the main line. Its own bound comes after both, so
+        # torch's "waitForInput ... timed out" only shows when the store does not answer
+        left = max(until - time.monotonic(), 0.001)
+        try:
+            s.wait([op.key], datetime.timedelta(seconds=left))
+        except Exception as exc:  # noqa: BLE001 - a wait that ran out reads as a wake-up
+            if not _store.is_timeout(exc):
+                raise
+        return None
+    if kind == "delete":
+        return s.delete_key(op.key)
+    raise ValueError(f"unknown store operation {kind!r}")
+
+
+def _get_if(s, key: str):
+    """``key``'s value, or None when it is not there, in one operation that writes
+    nothing: a ``compare_set`` expecting a value we never write (the store answers the
+    value it holds, or the expected one for a missing key)."""
+    raw = s.compare_set(key, ABSENT, ABSENT)
+    text = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+    return None if text == ABSENT else raw
+
+
+def _group_size() -> int:
+    from . import group as _group
+    return _group.world_size()
+
+
+# --------------------------------------------------------------------------- leftovers
+#
+# Per default group (``positions.Group``) and rank set: the prefixes of rounds this rank
+# left behind. A new default group forgets the old one's: ``forget_group`` deletes them
+# on the new group's line (every rank of the old group has left it).
+
+_left_lock = threading.Lock()
+LIMIT = 1024  # remembered at most per rank set (the oldest are dropped, their keys stay)
+
+
+def _remember(group, mkey: str, prefix: str) -> None:
+    with _left_lock:
+        found = group.leftovers.setdefault(mkey, [])
+        if prefix not in found:
+            found.append(prefix)
+            del found[:-LIMIT]
+
+
+def _leftovers(group, mkey: str, before: str) -> list:
+    with _left_lock:
+        return [p for p in group.leftovers.get(mkey, []) if p != before]
+
+
+def _forget(group, mkey: str, prefixes: list) -> None:
+    with _left_lock:
+        kept = [p for p in group.leftovers.get(mkey, []) if p not in prefixes]
+        group.leftovers[mkey] = kept
+
+
+def forget_group(old, line) -> None:
+    """The default group ``old`` was replaced: its leftovers' keys go, on ``line`` (the
+    new group's; without waiting). Never raises."""
+    try:
+        with _left_lock:
+            prefixes = [p for found in old.leftovers.values() for p in found]
+        if prefixes:
+            ops = _core.forget(prefixes)
+            line.submit(lambda s: [s.delete_key(op.key) for op in ops])
+    except Exception:  # noqa: BLE001 - clean-up only
+        pass

@@ -1,0 +1,243 @@
+"""The driver (``agreement/driver.StoreVote``) runs the core on real store lines: ranks
+played by threads of this process over one real in-memory ``HashStore``, each with its own
+lines and its own group bookkeeping, as processes would. What the core decides is proven by
+the checker (test_checker.py); these tests show the wiring: the operations reach the store
+in the core's order, replies come back, the deadline reaches the core, a store failure is
+doubt, and the clean-up runs after the answer. Outcomes are asserted, never timings: a
+wait that must end early has a deadline in the past, one that must not has a long one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flashinfer_safe_workspace import _decide  # noqa: F401 - registers checks.compare (vote.use_comparison)
+from flashinfer_safe_workspace import _reasons as R
+from flashinfer_safe_workspace.agreement import core as C, driver as D, explain
+from flashinfer_safe_workspace.agreement import positions as P, store as _store
+from flashinfer_safe_workspace.agreement.record import ABORT, COMMIT, NO, PASS, PASS_STATE, Register
+from unit.facts import record
+
+LONG = 30.0  # a bound never reached on the paths asserted here
+
+
+@pytest.fixture
+def store():
+    import torch.distributed as dist
+
+    return dist.HashStore()
+
+
+_LINES: list = []
+
+
+@pytest.fixture(autouse=True)
+def _drained():
+    """Every line of a test is through its queued count-outs before the next test."""
+    yield
+    for line in _LINES:
+        assert line.submit(lambda s: None).done.wait(LONG)
+    _LINES.clear()
+
+
+def lines(store, wait=True) -> dict:
+    out = {"main": _store.StoreLine(lambda: store)}
+    if wait:
+        out["wait"] = _store.StoreLine(lambda: store)
+    _LINES.extend(out.values())
+    return out
+
+
+def known(generation=0) -> P.Group:
+    """A group whose generation is known already (read at install time, as in production)."""
+    group = P.Group()
+    group.generation = generation
+    return group
+
+
+def vote_of(store, me, size=2, *, position=0, group=None, bound=LONG, wait=True, call="c"):
+    return D.StoreVote(tuple(range(size)), me, call, time.monotonic() + bound, bound, position,
+                       "unit", lines=lines(store, wait), group=group or known(), size=size)
+
+
+def together(*pairs):
+    """``open()`` then ``vote(record)`` for each (vote, record), each on its own thread."""
+    out = [None] * len(pairs)
+
+    def go(i, v, rec):
+        v.open()
+        out[i] = v.vote(rec)
+
+    threads = [threading.Thread(target=go, args=(i, *p), daemon=True) for i, p in enumerate(pairs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LONG + 5)
+    assert all(o is not None for o in out), out
+    return out
+
+
+def settled(*votes):
+    """Wait (bounded) until every vote's queued operations are through."""
+    for v in votes:
+        for line in v._lines.values():
+            assert line.submit(lambda s: None).done.wait(LONG)
+
+
+def test_every_rank_yes_commits_on_all_and_the_round_s_keys_go(store):
+    vs = [vote_of(store, r, 3) for r in range(3)]
+    outs = together(*[(v, record(r)) for r, v in enumerate(vs)])
+    assert [o.commit for o in outs] == [True] * 3
+    assert {o.register for o in outs} == {outs[0].register}  # one register, read by all
+    assert sum(o.verdict is not None for o in outs) == 1  # only the count's completer read
+    settled(*vs)
+    assert not any(store.check([vs[0].prefix + k]) for k in C.KEYS)  # the last out deleted
+
+
+def test_a_no_aborts_on_both_and_both_name_it(store):
+    a, b = vote_of(store, 0), vote_of(store, 1)
+    no = record(1, state=NO, reason=R.OUT_OF_MEMORY, device=0, free_bytes=10, peak_bytes=100,
+                headroom_bytes=0, failed_bytes=100)
+    out_a, out_b = together((a, record(0)), (b, no))
+    assert (out_a.commit, out_b.commit) == (False, False)
+    for out, rec in ((out_a, record(0)), (out_b, no)):
+        info = explain.veto(out, None, None, rec)
+        assert info.reasons == (R.OUT_OF_MEMORY,) and info.short == ((1, 0, 90),)
+
+
+def test_every_rank_passing_is_a_pass_on_both(store):
+    a, b = vote_of(store, 0), vote_of(store, 1)
+    outs = together((a, record(0, state=PASS_STATE)), (b, record(1, state=PASS_STATE)))
+    assert [o.register.outcome for o in outs] == [PASS, PASS]
+
+
+def test_different_calls_abort_on_both_naming_the_argument(store):
+    a, b = vote_of(store, 0, call="x"), vote_of(store, 1, call="y")
+    outs = together((a, record(0, call="x", args={"max_token_num": 1})),
+                    (b, record(1, call="y", args={"max_token_num": 2})))
+    for out in outs:
+        assert out.register.outcome == ABORT and R.ARG_MISMATCH in out.register.reasons
+        assert "max_token_num differs: 1 on rank 0; 2 on rank 1" in out.register.details
+
+
+def test_a_rank_whose_peer_never_comes_aborts_at_its_deadline_and_names_it(store):
+    a = vote_of(store, 0, bound=0.0)  # its deadline is now: the wait ends at once
+    a.open()
+    out = a.vote(record(0))
+    assert out.register.outcome == ABORT and out.absent == (1,)
+    info = explain.veto(out, None, None, record(0))
+    assert R.ABSENT in info.reasons and "[1] did not answer" in info.message
+
+
+def test_a_late_rank_follows_the_abort_its_peer_wrote_at_its_deadline(store):
+    a = vote_of(store, 0, bound=0.0)
+    a.open()
+    a.vote(record(0))
+    b = vote_of(store, 1)
+    b.open()
+    out = b.vote(record(1))  # it completes the count, and its commit loses to the abort
+    assert not out.commit and out.register.by == 0
+    assert explain.veto(out, None, None, record(1)).reasons == (R.ABORTED,)
+
+
+def test_an_interrupt_writes_the_abort_its_peer_then_reads(store):
+    a = vote_of(store, 0)
+    a.open()
+    a.abort_now("interrupted")
+    b = vote_of(store, 1)
+    b.open()
+    out = b.vote(record(1))
+    assert out.register.outcome == ABORT and out.register.by == 0
+
+
+def test_without_a_waiting_line_the_wait_polls_with_check(store):
+    a, b = vote_of(store, 0, wait=False), vote_of(store, 1, wait=False)
+    outs = together((a, record(0)), (b, record(1)))
+    assert [o.commit for o in outs] == [True, True]
+
+
+class Broken:
+    """A store whose every operation fails (its host is gone)."""
+
+    def __getattr__(self, name):
+        def fail(*a, **k):
+            raise RuntimeError("Connection reset by peer")
+        return fail
+
+
+def test_a_store_that_fails_leaves_the_rank_in_doubt():
+    v = D.StoreVote((0, 1), 0, "c", time.monotonic() + LONG, LONG, 0, "unit",
+                    lines={"main": _store.StoreLine(Broken)}, group=known(), size=2)
+    v.open()  # the generation is known: named without asking the store
+    out = v.vote(record(0))
+    assert out.in_doubt and not out.commit and "Connection reset" in out.missing
+
+
+def test_the_generation_names_the_round_and_is_read_once(store):
+    group = P.Group()
+    store.add(P.WORLDS_KEY, 4)  # two earlier groups of two on this store
+    a = vote_of(store, 0, group=group, position=5)
+    a.open()
+    assert a.prefix == "fiws/2/0-1/5/" and group.generation == 2
+    vote_of(store, 0, group=group).open()
+    assert int(store.add(P.WORLDS_KEY, 0)) == 5  # one add for the group, not one per call
+
+
+def test_a_round_left_behind_is_swept_when_a_later_round_completes(store):
+    g0, g1 = known(), known()
+    a = vote_of(store, 0, group=g0, position=0, bound=0.0)  # rank 1 never takes part
+    a.open()
+    a.vote(record(0))
+    settled(a)
+    assert g0.leftovers == {a.mkey: [a.prefix]}  # counted out short, after an abort
+    assert store.check([a.prefix + "d"])
+    b0, b1 = vote_of(store, 0, group=g0, position=1), vote_of(store, 1, group=g1, position=1)
+    together((b0, record(0)), (b1, record(1)))
+    settled(b0, b1)
+    assert not any(store.check([a.prefix + k]) for k in C.KEYS)
+    assert g0.leftovers == {a.mkey: []}
+
+
+def test_a_replaced_group_s_leftovers_go_on_the_new_group_s_line(store, monkeypatch):
+    old = P.Group()
+    old.leftovers = {"0-1": ["fiws/0/0-1/3/"]}
+    for k in C.KEYS:
+        store.set("fiws/0/0-1/3/" + k, "x")
+    main = lines(store)["main"]
+    D.forget_group(old, main)
+    assert main.submit(lambda s: None).done.wait(LONG)
+    assert not any(store.check(["fiws/0/0-1/3/" + k]) for k in C.KEYS)
+
+
+def test_the_deep_probe_asks_whether_the_round_was_decided(store):
+    a = vote_of(store, 0)
+    a.open()
+    assert a.decided_before() is False
+    store.compare_set(a.prefix + "d", "", Register(ABORT, 1, "no").to_text())
+    assert a.decided_before() is True
+
+
+def test_get_if_reads_without_writing(store):
+    assert D._get_if(store, "missing") is None and not store.check(["missing"])
+    store.set("k", "v")
+    assert D._get_if(store, "k") == b"v"
+
+
+def test_every_operation_of_the_core_runs_on_the_store(store):
+    until = time.monotonic() + LONG
+    assert D._execute(store, C.Op("append", "r", "a"), until) is None
+    D._execute(store, C.Op("append", "r", "b"), until)
+    assert store.get("r") == b"ab"
+    assert D._execute(store, C.Op("add", "n", n=2), until) == 2
+    assert D._execute(store, C.Op("cas", "d", "first"), until) == b"first"
+    assert D._execute(store, C.Op("cas", "d", "second"), until) == b"first"
+    assert D._execute(store, C.Op("get", "d"), until) == b"first"
+    assert D._execute(store, C.Op("check", "d"), until) is True
+    assert D._execute(store, C.Op("wait", "d"), until) is None  # there: at once
+    assert D._execute(store, C.Op("wait", "nothing"), time.monotonic()) is None  # ran out
+    D._execute(store, C.Op("delete", "d"), until)
+    assert D._execute(store, C.Op("check", "d"), until) is False
+    with pytest.raises(ValueError):
+        D._execute(store, C.Op("set", "x"), until)
