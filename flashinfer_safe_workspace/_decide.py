@@ -26,7 +26,7 @@ from . import _config
 from .planning import request as _request
 from . import _reasons as R
 from .agreement.explain import VetoInfo
-from .agreement.record import PASS
+from .agreement.record import ABORT, PASS, Register
 from . import _local, checks as _checks
 from ._log import internal_error
 from .planning.plan import Plan
@@ -35,6 +35,7 @@ UNIFIED, LEGACY = _request.UNIFIED, _request.LEGACY
 
 _veto_cache: dict = {}  # (entry, ranks, group kind, identity) -> VetoInfo, from decided rounds
 _fast: dict = {}  # exact hashable call -> the workspace key above
+_posts: dict = {}  # workspace key -> (this rank's position in the set, the abort it posts)
 _cache_lock = threading.Lock()
 
 
@@ -91,18 +92,38 @@ def cached_veto(entry: str, original: Callable, args: tuple, kwargs: dict):
 
 def _skip(wkey) -> None:
     """A call answered without a round still takes its position on the rank set: the i-th
-    call is round i on every rank, whatever each rank answers it from."""
-    if wkey[2] == "store":  # (entry, ranks, kind, identity)
-        _positions.current().skip(_set_key_of(wkey[2], wkey[1]))
+    call is round i on every rank, whatever each rank answers it from. A cached veto also
+    posts its abort there (without waiting): a peer that makes another call at that
+    position, or did not cache the veto, learns at once instead of at its vote timeout."""
+    if wkey[2] != "store":  # (entry, ranks, kind, identity)
+        return
+    group = _positions.current()
+    position = group.skip(_set_key_of(wkey[2], wkey[1]))
+    post = _posts.get(wkey)
+    if post is not None:
+        try:
+            _driver.post_skip(wkey[1], post[0], wkey[3], position, post[1],
+                              _config.current().vote_timeout, group)
+        except Exception as exc:  # noqa: BLE001 - its peers then wait their vote timeout
+            internal_error("cache.post", exc)
 
 
-def _remember(wkey, fast, info: VetoInfo, epoch=None) -> None:
+def _remember(wkey, fast, info: VetoInfo, epoch=None, me=None) -> None:
     """Cache a veto, unless its default group was replaced since (``epoch``; checked under
-    the cache's lock, which a replacement's clear takes after bumping the epoch)."""
+    the cache's lock, which a replacement's clear takes after bumping the epoch); ``me``:
+    this rank's position in a store rank set (its later cached answers post an abort)."""
+    post = None
+    if me is not None:
+        rank = wkey[1][me]
+        post = (me, Register(ABORT, rank, f"rank {rank} answered this call from its veto cache",
+                             reasons=info.reasons, details=info.details, named=info.ranks,
+                             short=info.short, call=wkey[3]).to_text())
     with _cache_lock:
         if epoch is not None and epoch != _store.epoch():
             return
         _veto_cache[wkey] = info
+        if post is not None:
+            _posts[wkey] = post
         if fast is not None:
             _fast[fast] = wkey
 
@@ -111,6 +132,7 @@ def clear_cache() -> None:
     with _cache_lock:
         _veto_cache.clear()
         _fast.clear()
+        _posts.clear()
 
 
 _store.on_new_world(clear_cache)  # vetoes were decided by the old default group's ranks
@@ -263,7 +285,8 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
     info = _explain.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
     if _keep(outcome, call.members.kind, call.ident):
-        _remember(call.wkey, call.fast, info, call.epoch)
+        _remember(call.wkey, call.fast, info, call.epoch,
+                  call.members.me if call.members.kind == "store" else None)
     return decision
 
 

@@ -9,10 +9,11 @@ This module imports nothing of ours (the bottom layer).
 The points (where they sit):
 
 - ``probe``: in the memory check, just before the probe allocates;
-- ``round.published``: a yes rank has published its record and counted itself in;
-- ``round.acked``: a waiting rank has added its acknowledgement (on the waiting line);
-- ``round.before_register``: a rank is about to read the decided register;
-- ``round.voted``: a rank's vote is over (its outcome known, its round counted out).
+- ``round.published``: a yes rank has published its record and counted itself in (on the
+  store line's thread, before it looks at the count);
+- ``round.before_register``: a rank's write of the register, or its read of it, has been
+  answered by the store, and the answer is not handed to its decision yet;
+- ``round.voted``: a rank's vote is over (its outcome known; its count-out queued).
 """
 
 from __future__ import annotations

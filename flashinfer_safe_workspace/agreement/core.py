@@ -129,6 +129,16 @@ class Core:
         core, ops = self._write(s.texts[0])
         return core, [append, *ops]
 
+    def skip(self) -> tuple:
+        """This rank answers its call without a round (from its veto cache): it never
+        publishes here, so its abort goes in at once (its peers learn it at once, and a
+        peer that did not cache the veto follows it), and it counts out."""
+        if self.phase != NEW:
+            return self, []
+        text = self.setup.texts[0]
+        return (self._to(DONE, answer=ABORT, register=text, decider=True, proposed=(text,)),
+                [Op("cas", self.setup.key("d"), text), self._out()])
+
     def on_reply(self, tag: str, value) -> tuple:
         """The reply of the operation tagged ``tag``; after the answer only the count-out's
         reply matters (the rank that completes it deletes the round's keys)."""

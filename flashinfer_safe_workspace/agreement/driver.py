@@ -175,7 +175,7 @@ class StoreVote:
                     return
                 op = queue.popleft()
             try:
-                value = _execute(s, op, self.deadline + GRACE_S + 1.0)
+                value = _execute(s, op)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 self._failed(name, op, exc)
                 raise
@@ -282,11 +282,30 @@ class StoreVote:
         return [r for i, r in enumerate(self.ranks) if i not in there]
 
 
+def post_skip(ranks: tuple, me: int, ident: str, position: int, text: str, vote_timeout: float,
+              group=None) -> None:
+    """A call this rank answers from its veto cache: the abort ``text`` goes into the round
+    at ``position`` and this rank counts out (``core.Core.skip``), without waiting. Nothing
+    when the group's generation is not known (no round of it has run here)."""
+    group = group if group is not None else _positions.current()
+    if group.generation is None:
+        return
+    v = StoreVote(ranks, me, ident, time.monotonic() + vote_timeout, vote_timeout, position,
+                  group=group)
+    v.prefix = _positions.prefix(group.generation, v.mkey, position)
+    v._lines["main"] = _store.line(vote_timeout)
+    setup = _core.Setup(v.prefix, len(v.ranks), me, False, ident, "", v.deadline, GRACE_S,
+                        (text, text, text), codec_for(v.rank, ident))
+    with v._lock:
+        v._apply(*_core.Core(setup).skip())
+
+
 # --------------------------------------------------------------------------- the store
 
 
-def _execute(s, op: _core.Op, until: float):
-    """One core operation on store ``s`` (our own connection)."""
+def _execute(s, op: _core.Op, until: Optional[float] = None):
+    """One core operation on store ``s`` (our own connection). A ``wait`` is bounded by
+    ``until`` (by default our connections' own timeout, ``store.op_timeout_s``)."""
     kind = op.kind
     if kind == "append":
         s.append(op.key, op.value)
@@ -301,8 +320,12 @@ def _execute(s, op: _core.Op, until: float):
         return bool(s.check([op.key]))
     if kind == "wait":
         # the store wakes it when the register is written: by a peer, or by this rank's
-        # own abort at its deadline, on the main line. Its own bound comes after both, so
-        # torch's "waitForInput ... timed out" only shows when the store does not answer
+        # own abort at its deadline, on the main line (which reaches the store when it
+        # answers again, however late). Its own bound is our connections' timeout, so
+        # torch's "waitForInput ... timed out" shows only when the store does not answer
+        # for that long (docs/agreement.md)
+        if until is None:
+            until = time.monotonic() + _store.op_timeout_s()
         left = max(until - time.monotonic(), 0.001)
         try:
             s.wait([op.key], datetime.timedelta(seconds=left))

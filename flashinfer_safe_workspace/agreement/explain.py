@@ -82,9 +82,15 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
     verdict, records, reg = outcome.verdict, outcome.records, outcome.register
     details, named, reasons = [], [], set()
     short = ()
-    if reg is not None and not reg.commit and reg.details:
+    used = reg is not None and not reg.commit and bool(reg.details)
+    if used:
         details, named, reasons = list(reg.details), list(reg.named), set(reg.reasons)
         short = reg.short
+        if record is not None and not record.is_yes() and record.rank not in reg.named:
+            for cand in record.candidates.values():  # this rank's own no too, beside the
+                details.append(describe(record, cand))  # one that decided
+                reasons.add(cand.reason)
+            named.append(record.rank)
         own = record.call if record is not None else ""
         if reg.call and own and reg.call != own:  # the round's other rank(s) made another call
             details.append("this rank made another call at this position: the group's "
@@ -105,7 +111,10 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
                 else "the round did not complete")
         details.append(f"{lead}; detail: {outcome.missing}")
         named.extend(absent)
-    elif not details:
+    elif not details or (reg is not None and not reg.commit and not used and record is not None
+                         and reg.by is not None and reg.by != record.rank):
+        # the register another rank wrote without an explanation (its deadline, an
+        # interrupt) decided: say so, beside this rank's own no
         details.append(f"the group aborted: {register_why or 'no reason given'}")
         reasons.update(set(reg.reasons) if reg is not None and reg.reasons else {_rec.ABORTED})
     message = head + "; ".join(details) + ". " + _advice(reasons)

@@ -15,8 +15,8 @@ Always:
   grace of the rank's resumption when it was paused;
 - ``terminates``: in a state with no step left, every rank that did not crash has answered
   every call;
-- ``clean-up``: in such a final state, a round that every rank answered from the store
-  (none crashed, none answered from its cache) has left no key behind, and a group whose
+- ``clean-up``: in such a final state, a round that every rank answered (none crashed;
+  from its cache too) has left no key behind, and a group whose
   last round every rank answered from its count's completer, or that every rank has left
   for a new group (in the same processes), has left none at all (its leftovers were swept);
 - ``clean rounds are created``: in such a final state, a round where every rank said yes
@@ -37,7 +37,8 @@ from typing import Callable
 from . import system as S
 
 SOMETIMES = ("commit", "abort by no", "abort by mismatch", "abort by timeout",
-             "a late rank follows a decided register", "in doubt")
+             "abort by a peer's cached veto", "a late rank follows a decided register",
+             "in doubt")
 
 
 @dataclasses.dataclass
@@ -99,7 +100,7 @@ def final(sc: S.Scenario, state: S.State) -> list:
         return bad
     keys = {k for k, _ in state.store}
     for (g, p), answers in rounds(sc, state).items():
-        if len(answers) == sc.size and all(a.answer != "skip" for a in answers.values()):
+        if len(answers) == sc.size:
             left = sorted(k for k in keys if k.startswith(S.prefix(g, S.MEMBERS, p)))
             if left:
                 bad.append(f"clean-up: {(g, p)} left {left}")
@@ -134,6 +135,8 @@ def sometimes(state: S.State) -> set:
                 out.add("in doubt")
             elif a.answer == "abort" and a.cause in ("no", "mismatch", "timeout"):
                 out.add(f"abort by {a.cause}")
+            elif a.answer == "abort" and a.cause == "cached":
+                out.add("abort by a peer's cached veto")
             if a.late and a.answer in ("commit", "abort"):
                 out.add("a late rank follows a decided register")
     return out

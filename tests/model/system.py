@@ -360,12 +360,15 @@ def _start(sc: Scenario, state: State, r: int, owner: tuple) -> State:
     rank = state.ranks[r]
     call = _calls_of(sc, r, owner[0])[owner[1]]
     setup = C.Setup(prefix(owner[0], MEMBERS, owner[1]), sc.size, r, call.yes, call.ident,
-                    call.ident, state.now + sc.t, sc.grace, texts(r), CODEC)
+                    call.ident, state.now + sc.t, sc.grace,
+                    (f"abort|cached|{r}",) + texts(r)[1:] if call.skip else texts(r), CODEC)
     rank = rank._replace(group=owner[0], started=owner[1] + 1, start=state.now, late=False,
                          resumed=-1)
-    if call.skip:  # answered from the cache: its position, no store operation
-        return _set(state, r, rank._replace(answers=rank.answers + (Answer(
-            owner[0], owner[1], "skip", "-", state.now, False, False, False, True, False),)))
+    if call.skip:  # answered from its cache: its abort posted, no round of its own
+        core, ops = C.Core(setup).skip()
+        state = _set(state, r, rank._replace(answers=rank.answers + (Answer(
+            owner[0], owner[1], "skip", "cached", state.now, False, False, False, True, False),)))
+        return _put(sc, state, r, owner, core, ops)
     core, ops = C.Core(setup).start()
     old = [k for k in rank.leftovers if k[0] < owner[0]]
     if old:  # a new group: every rank has left the old ones, whose leftovers go

@@ -36,7 +36,7 @@ PINNED = {
     "two ranks: the store stops for less than the grace, or past every deadline": (
         13563, 116, {"commit", "abort by timeout", "in doubt"}),
     "two ranks: rank 0 answers its first call from its veto cache": (
-        322, 3, {"commit", "abort by timeout"}),
+        321, 2, {"commit", "abort by a peer's cached veto"}),
     "two ranks: a new group on the same store after a round only rank 0 made": (
         212, 1, {"commit", "abort by timeout"}),
     "two ranks: a new group on the same store after a no, with a no": (
@@ -53,7 +53,8 @@ PINNED = {
     "three ranks: the store stops for less than the grace, or past every deadline": (
         14408, 74, {"commit", "in doubt"}),
     "three ranks: rank 0 makes one call more, rank 1 answers from its cache": (
-        522, 8, {"abort by timeout", "a late rank follows a decided register"}),
+        1882, 32, {"abort by timeout", "abort by a peer's cached veto",
+               "a late rank follows a decided register"}),
 }
 
 

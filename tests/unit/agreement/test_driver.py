@@ -211,6 +211,31 @@ def test_a_replaced_group_s_leftovers_go_on_the_new_group_s_line(store, monkeypa
     assert not any(store.check(["fiws/0/0-1/3/" + k]) for k in C.KEYS)
 
 
+def test_a_cached_veto_posts_its_abort_where_its_peer_votes(store, monkeypatch):
+    """A rank answering from its veto cache never publishes: its abort goes into that
+    round, so a peer making another call there (or one that did not cache) learns at once."""
+    group = known()
+    main = lines(store)["main"]
+    monkeypatch.setattr(_store, "line", lambda timeout: main)
+    cached = Register(ABORT, 0, "rank 0 answered this call from its veto cache",
+                      reasons=(R.OUT_OF_MEMORY,), details=("rank 0 was short",), call="a")
+    D.post_skip((0, 1), 0, "a", 4, cached.to_text(), LONG, group)
+    b = vote_of(store, 1, position=4, call="b")
+    b.open()
+    out = b.vote(record(1, call="b"))
+    assert out.register == cached
+    info = explain.veto(out, None, None, record(1, call="b"))
+    assert info.reasons == (R.OUT_OF_MEMORY, R.ARG_MISMATCH)  # it made another call there
+    settled(b)
+    assert main.submit(lambda s: None).done.wait(LONG)
+    assert not any(store.check([b.prefix + k]) for k in C.KEYS)  # both counted out
+
+
+def test_without_a_known_generation_a_cached_veto_posts_nothing(store, monkeypatch):
+    monkeypatch.setattr(_store, "line", lambda timeout: pytest.fail("no line is asked for"))
+    D.post_skip((0, 1), 0, "a", 0, "abort|{}", LONG, P.Group())
+
+
 def test_the_deep_probe_asks_whether_the_round_was_decided(store):
     a = vote_of(store, 0)
     a.open()
