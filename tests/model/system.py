@@ -410,35 +410,46 @@ def _crash(state: State, r: int) -> State:
 
 
 def successors(sc: Scenario, state: State) -> list:
-    """``[(action, next state)]``: every step possible now. Steps that can happen now are
-    urgent: time advances only when there is none."""
+    """``[(action, next state)]``: every step possible now (a tick that changes nothing is
+    no step). Steps that can happen now are urgent: time advances only when there is none."""
+    out = []
+    for name, step in actions(sc, state):
+        nxt = step()
+        if not (name.startswith("tick ") and nxt == state):
+            out.append((name, nxt))
+    return out
+
+
+def actions(sc: Scenario, state: State) -> list:
+    """``[(action, thunk)]``: every step possible now, each computed only when called (the
+    simulator takes one of them)."""
     if state.stopped_until >= 0 and state.now >= state.stopped_until:
-        state = state._replace(stopped_until=-1)
-        for r in range(len(state.ranks)):
-            state = _eager(sc, state, r)
-        return [("store resumes", state)]
+        def resumes(state=state):
+            state = state._replace(stopped_until=-1)
+            for r in range(len(state.ranks)):
+                state = _eager(sc, state, r)
+            return state
+        return [("store resumes", resumes)]
     up = state.stopped_until < 0
     out = []
     for r, rank in enumerate(state.ranks):
         if rank.status == "paused" and state.now >= rank.resume_at:
-            out.append((f"resume {r}", _resume(sc, state, r)))
+            out.append((f"resume {r}", lambda r=r: _resume(sc, state, r)))
             continue
         owner = _may_start(sc, state, r)
         if owner is not None:
-            out.append((f"start {r} {owner}", _start(sc, state, r, owner)))
+            out.append((f"start {r} {owner}", lambda r=r, o=owner: _start(sc, state, r, o)))
         if up:
             for line, fifo in (("main", rank.main), ("wait", rank.wait)):
                 if fifo and not (line == "wait" and rank.parked):
                     out.append((f"serve {r} {line} {fifo[0][1].kind} {fifo[0][1].key}",
-                                _serve(sc, state, r, line)))
+                                lambda r=r, line=line: _serve(sc, state, r, line)))
         if rank.status == "live" and rank.current is not None:
             wake = _core(rank, rank.current).wake_at()
             if wake is not None and state.now >= wake:
-                ticked = _tick(sc, state, r)
-                if ticked != state:  # a tick that changes nothing is no step
-                    out.append((f"tick {r}", ticked))
+                out.append((f"tick {r}", lambda r=r: _tick(sc, state, r)))
     if not out and state.now < sc.horizon and _pending(sc, state):
-        out.append(("time", state._replace(now=state.now + 1)))
+        out.append(("time", lambda: state._replace(now=state.now + 1)))
     return out + _faults(sc, state)
 
 
@@ -451,20 +462,21 @@ def _pending(sc: Scenario, state: State) -> bool:
 
 
 def _faults(sc: Scenario, state: State) -> list:
-    """The steps that may come at any time, or never: the faults."""
+    """The steps that may come at any time, or never: the faults (as thunks)."""
     out = []
     for r, rank in enumerate(state.ranks):
         if state.crash and rank.status != "crashed" and not finished(sc, r, rank):
-            out.append((f"crash {r}", _crash(state, r)))
+            out.append((f"crash {r}", lambda r=r: _crash(state, r)))
         if state.pause and rank.status == "live" and rank.current is not None:
-            out.append((f"pause {r}", _set(state, r, rank._replace(
+            out.append((f"pause {r}", lambda r=r, rank=rank: _set(state, r, rank._replace(
                 status="paused", resume_at=state.now + sc.t + 1))._replace(
                     pause=state.pause - 1)))
     if state.peek and state.stopped_until < 0:  # an outsider's compare_set read of a register
         for key in sorted({k for _, k in state.parked}):  # someone waits for
-            out.append((f"peek {key}", _wake(sc, state, key)._replace(peek=state.peek - 1)))
+            out.append((f"peek {key}",
+                        lambda key=key: _wake(sc, state, key)._replace(peek=state.peek - 1)))
     if sc.stop and not state.window and _pending(sc, state):
         for length in sc.stop:
-            out.append((f"store stops for {length}", state._replace(
+            out.append((f"store stops for {length}", lambda length=length: state._replace(
                 stopped_until=state.now + length, window=(state.now, state.now + length))))
     return out
