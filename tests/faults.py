@@ -1105,7 +1105,43 @@ def _deep_recovers(runs):
         _expect(res["exports"] == 0, res)
 
 
+DEEP_SLOW = """
+import time as _t
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+dist.barrier()
+if RANK == 1:  # arrives 0.6 T after rank 0's call began: later than half the vote timeout,
+    # well inside it (one host: one wall clock)
+    STORE.wait(["f2/started"], WAIT)
+    _t.sleep(max(float(STORE.get("f2/started")) + 0.6 * T - _t.time(), 0))
+else:
+    STORE.set("f2/started", repr(_t.time()))
+outcome, secs, err = rank_lib.create(rank=RANK)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, exports=dev.exports_live)
+"""
+
+DEEP_ABSENT = """
+dev = rank_lib.setup(free_mb=None, vote_timeout=T)
+dist.barrier()
+if RANK == 1:  # never comes
+    os._exit(0)
+outcome, secs, err = rank_lib.create(rank=RANK)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err,
+              calls=len(rank_lib.calls), live=dev.live_bytes, exports=dev.exports_live)
+"""
+
 SCENARIOS += [
+    Scenario("deep probe: a rank later than half the vote timeout, inside it: created on both",
+             2, DEEP_SLOW,
+             "created on both (7c21911: rank 0's exchange gave up at half the vote timeout "
+             "and vetoed, blaming an import that nobody had failed)",
+             created_on_all, env={"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"}, t=8.0),
+    Scenario("deep probe: a peer that never comes is named absent, not an import failure", 2,
+             DEEP_ABSENT,
+             "rank 0: None at its deadline, ABSENT (7c21911: DEEP_PROBE_FAILED, \"a peer could "
+             "not import this rank's memory handle\")",
+             none_on([0]), env={"FLASHINFER_SAFE_WORKSPACE_DEEP_PROBE": "1"}, host=False,
+             t=VOTE_TIMEOUT, reasons={0: ["ABSENT"]}),
     Scenario("deep probe: a rank arrives after its round was aborted; the retries pair", 2,
              "import datetime\n" + DEEP_LATE,
              "1st call: None on both; every later call: created on both (714be8f: vetoed "

@@ -67,7 +67,7 @@ def test_fake_hang_case_w_blocks_without_the_shim_and_answers_none_with_it(tmp_p
         assert row["decisions"][-1]["outcome"] == "veto"
     # the memory was taken after the peer's observed entry, in both variants
     for variant, target in (("off", "gpucheck_fake:fake_exchange_fds"),
-                            ("on", "flashinfer_safe_workspace.agreement.round:vote")):
+                            ("on", "flashinfer_safe_workspace.agreement.driver:vote")):
         sync = w["data"]["variants"][variant]["sync"]
         assert sync["observed"] and sync["peer_target"] == target, sync
         assert sync["hog_after_entry_s"] >= 0 and sync["peer_inside_at_hog"], sync

@@ -6,8 +6,9 @@ on the same store object. Real gloo ranks, the simulated device.
 - F4: over 50 re-inits (each a new group on a new store) and 500 calls, every group ends
   with the ``fiws-store`` threads and the store keys the first group had after the same
   calls (nothing grows per re-init or call);
-- F4, within one group: rounds a rank never joins (a call only its peer made) are removed
-  by a later count-out once long decided (``agreement/leftovers.py``).
+- F4, within one group: rounds a rank never joins (calls only its peer made, its calls out
+  of step) keep their keys only until a later round shows every rank came: the leftovers
+  go (``agreement/driver.py``, ``core.sweep``).
 """
 
 import faults
@@ -67,6 +68,31 @@ def test_new_group_on_the_same_store_starts_clean():
     for r in out:
         assert r["outcome"] == "created", out
         assert r["secs"] <= faults.bound(r["t"]), out  # its own vote timeout (3 s), not 2 s
+
+
+STALE_BODY = SAME_STORE + """
+world()
+first = rank_lib.create(rank=RANK, max_token_num=512)[0]  # both: created
+if RANK == 1:  # a call only rank 1 makes in the first group: vetoed at its timeout, and its
+    # round's abort stays in the store (rank 0 never comes to it)
+    alone = rank_lib.create(rank=RANK, max_token_num=768)[0]
+again(1)  # a new group on the same store, in the same processes
+got = [rank_lib.create(rank=RANK, max_token_num=768) for _ in range(2)]
+result.update(got=[(g[0], g[1]) for g in got], outcome=got[-1][0], secs=got[-1][1], err=got[-1][2],
+              reasons=rank_lib.last_reasons)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_an_old_group_s_abort_on_the_same_store_does_not_reach_the_new_group():
+    """7c21911: the first group's abort of a call was followed in the new group (its round
+    had the same name there), and cached: every later identical call was refused in 0.000 s
+    until install(). The new group's rounds carry its own generation: created on both.
+    (Every rank made a call in the first group: docs/agreement.md says why it must.)"""
+    out = results(run_ranks(2, STALE_BODY, env={"FIWS_T": "1.5"}, timeout=120))
+    for r in out:
+        assert [g[0] for g in r["got"]] == ["created", "created"], out
 
 
 LEAK_BODY = faults.COMMON + """
@@ -139,28 +165,36 @@ def keys():  # once every rank's queued clean-ups have run (the store line is fi
     n = STORE.num_keys() if RANK == 0 else -1
     dist.barrier()
     return n
-for k in range(3):  # healthy calls: what every rank set keeps (boards, generations)
+for k in range(3):  # healthy calls: what every rank set keeps (the group's generation)
     rank_lib.create(rank=RANK, max_token_num=64 + 8 * k)
 base = keys()
 skewed = []
-if RANK == 1:  # calls rank 0 never makes: rank 1 alone opens their rounds
+if RANK == 1:  # calls rank 0 has not made yet: rank 1 alone in their rounds, each vetoed at
+    # its vote timeout, and left behind
     skewed = [rank_lib.create(rank=RANK, max_token_num=1000 + k)[0] for k in range(5)]
 left = keys()  # rank 0 waits in keys() meanwhile
-time.sleep(2 * T + 1.5)  # every skewed round is long decided after this (a lower bound only)
-for k in range(5):  # later count-outs remove what was left (one round each)
-    rank_lib.create(rank=RANK, max_token_num=512 + 8 * k)
-end = keys()
-result.update(base=base, left=left, end=end, skewed=skewed, live=dev.live_bytes)
+caught = []
+if RANK == 0:  # the same calls, late: each round's abort is there already (its count-out
+    # deletes the round)
+    caught = [rank_lib.create(rank=RANK, max_token_num=1000 + k)[:2] for k in range(5)]
+after = [rank_lib.create(rank=RANK, max_token_num=512 + 8 * k)[0] for k in range(5)]
+end = keys()  # in step again: the first complete round swept what rank 1 left behind
+result.update(base=base, left=left, end=end, skewed=skewed, caught=caught, after=after,
+              live=dev.live_bytes)
 """
 
 
 def test_rounds_a_rank_never_joins_are_removed_later():
-    """F4: rounds only rank 1 opened (calls rank 0 never made) kept their keys for the life
-    of the group (15-34 keys at 714be8f against 5); a later count-out removes them once
-    they are long decided, and the store ends with the keys it had before them."""
+    """F4: rounds only rank 1 had opened kept their keys (15-34 keys at 714be8f against 5);
+    once rank 0 has caught up (its late calls follow the aborts there at once) and a later
+    round shows every rank came, the leftovers go: the store ends with the keys it had
+    before them, and the calls in step are created."""
     out = results(run_ranks(2, REAP_BODY, env={"FIWS_T": "1.5"}, timeout=180))
     r0, r1 = out
     assert r1["skewed"] == ["none"] * 5, r1
+    assert [c[0] for c in r0["caught"]] == ["none"] * 5, r0
+    assert all(c[1] < r0["t"] for c in r0["caught"]), r0  # at once: the aborts were there
+    assert r0["after"] == r1["after"] == ["created"] * 5, out
     assert r0["left"] > r0["base"], r0  # the skewed rounds' keys were there
     assert r0["end"] == r0["base"], r0
     assert r0["live"] == r1["live"] == 0, out
