@@ -50,15 +50,17 @@ class Op:
     ``get`` (the value, or None when the key is missing: a ``compare_set`` read, never a
     blocking one; it wakes the key's waiters), ``check`` (whether the key exists; wakes
     nobody), ``wait`` (returns once the key may exist: also when someone reads it
-    missing), ``delete``. ``line``:
-    ``wait`` for the blocking wait and the read after it, ``main`` for the rest."""
+    missing), ``delete``. ``line``: ``wait``, the rank set's own connection, for the round's
+    operations in the order the core emits them (its blocking wait among them); ``main``,
+    another connection, for the abort at a deadline or an interrupt, which must not queue
+    behind that wait."""
 
     kind: str
     key: str
     value: str = ""  # append: the text; cas: the desired value
     n: int = 0  # add
     tag: str = ""  # what the reply answers ("": nothing waits for it)
-    line: str = "main"
+    line: str = "wait"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +116,7 @@ class Core:
     proposed: tuple = ()  # the register texts this rank wrote (the first write wins)
     out: int = 0  # the count-out this rank's add read (below the size: a rank is missing)
     spurious: bool = False  # a wake-up found no register: the next read looks first
+    read: Optional[str] = None  # the register read while this rank's own abort was unanswered
     seen: tuple = ()  # the records' payloads this rank read (the count completer)
 
     # -- events
@@ -149,8 +152,17 @@ class Core:
             if core.out >= self.setup.size:  # every rank has its answer: nobody reads them again
                 return core, [Op("delete", self.setup.key(k)) for k in KEYS]
             return core, []
-        handler = _HANDLERS.get((self.phase, tag)) or (Core._decided if tag == T_ABORT else None)
-        return handler(self, value) if handler is not None else (self, [])
+        if tag == T_ABORT:  # its own abort's reply: what the register holds, for certain
+            return self._decided(value)
+        handler = _HANDLERS.get((self.phase, tag))
+        if handler is None:
+            return self, []
+        if self.aborting and tag in (T_WRITE, T_FETCH) and value is not None and \
+                value is not False and value is not True:
+            # the register, read before this rank's own abort is answered: kept, and the
+            # answer waits for the abort's reply (its count-out must not pass the abort)
+            return dataclasses.replace(self, read=_text(value)), []
+        return handler(self, value)
 
     def on_tick(self, now: float) -> tuple:
         """Time passed: at its deadline this rank writes its own abort (a rank stopped past
@@ -159,8 +171,11 @@ class Core:
         s = self.setup
         if self.answer is not None or self.phase == NEW:
             return self, []
-        if self.aborting and now >= self.abort_at + s.grace:  # the count-out lands if the
-            return self._to(DONE, answer=DOUBT), [self._out()]  # store answers again
+        if self.aborting and now >= self.abort_at + s.grace:
+            if self.read is not None:  # its abort unanswered, the register read before
+                return self._decided(self.read)
+            return self._to(DONE, answer=DOUBT), [self._out()]  # the count-out lands if
+            # the store answers again
         if now >= s.deadline and not self.aborting:
             return self._abort(s.texts[1], now)
         return self, []
@@ -186,7 +201,7 @@ class Core:
     def _abort(self, text: str, now: float) -> tuple:
         return (dataclasses.replace(self, aborting=True, abort_at=now,
                                     proposed=self.proposed + (text,)),
-                [Op("cas", self.setup.key("d"), text, tag=T_ABORT)])
+                [Op("cas", self.setup.key("d"), text, tag=T_ABORT, line="main")])
 
     def _counted(self, c) -> tuple:
         s = self.setup
@@ -237,7 +252,7 @@ class Core:
         return self._decided(held)
 
     def _decided(self, held) -> tuple:
-        text = held.decode(errors="replace") if isinstance(held, (bytes, bytearray)) else str(held)
+        text = _text(held)
         outcome = self.setup.codec.outcome(text)
         if outcome != ABORT and not self.setup.yes:  # never reached (a commit needs every
             outcome = ABORT  # rank's yes); a rank that said no never creates
@@ -245,6 +260,11 @@ class Core:
                 [self._out()])
 
     def _out(self) -> Op:
+        """The count-out, on the round's line behind its operations: the round's keys go
+        only once every rank's wait for its register has returned (a wait left in the
+        store for a deleted register would hold that line). This rank's answer came after
+        its own abort's reply (``read``), except when that never came: in doubt, the
+        abort may land after the deletion and leave the register behind."""
         return Op("add", self.setup.key("o"), n=1, tag=T_OUT)
 
 
@@ -286,6 +306,10 @@ def forget(leftovers: list) -> list:
     """The deletions of rounds no rank comes back to (a later round was complete, or the
     default group was replaced: its ranks left it)."""
     return [Op("delete", prefix + k) for prefix in leftovers for k in KEYS]
+
+
+def _text(raw) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
 
 
 def _parse(blob) -> tuple:

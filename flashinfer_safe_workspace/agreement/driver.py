@@ -31,7 +31,7 @@ from typing import Optional
 from .. import _points
 from . import core as _core, explain as _explain, positions as _positions, store as _store
 from .record import Record, Register
-from .vote import GRACE_S, Outcome, codec_for, members_key, read_record, resolve
+from .vote import GRACE_S, Outcome, codec_for, members_key
 
 POLL_S = 0.005  # a wait without a waiting line: one check this often
 ABSENT = "\x00fiws:absent"  # never a value of ours: a compare_set with it only reads
@@ -99,12 +99,11 @@ class StoreVote:
     def vote(self, record: Record) -> Outcome:
         start = time.monotonic()
         yes = record.is_yes()
-        codec = codec_for(self.rank, record.call)
-        texts = (_explain.said_no(record).to_text(),
-                 _explain.timed_out(self.rank, self.vote_timeout, record.call).to_text(),
-                 _explain.interrupted(self.rank, "interrupted", record.call).to_text())
+        self._seen: dict = {}
+        codec = codec_for(self.rank, record.call, self._seen)
         setup = _core.Setup(self.prefix, len(self.ranks), self.me, yes, record.call,
-                            record.to_json(), self.deadline, GRACE_S, texts, codec)
+                            record.to_json(), self.deadline, GRACE_S,
+                            _texts(record, self.rank, self.vote_timeout, yes), codec)
         with self._lock:
             core, ops = _core.Core(setup).start()
             self._apply(core, ops)
@@ -257,10 +256,10 @@ class StoreVote:
             return Outcome(False, missing=why, in_doubt=True, key=self.prefix)
         reg = Register.from_text(core.register)
         out = Outcome(reg.commit, register=reg, key=self.prefix)
-        if core.seen:  # this rank completed the count and read every record
-            out.records = [read_record(p) for p in core.seen]
-            if all(r is not None for r in out.records):
-                out.verdict = resolve(out.records)
+        if self._seen and not reg.commit:  # it completed the count and read every record
+            records = self._seen.get("records", [])
+            if records and all(r is not None for r in records):
+                out.records, out.verdict = records, self._seen.get("verdict")
         if not reg.commit and core.decider and core.proposed and \
                 core.register == core.setup.texts[1]:
             absent = self._absent()  # its own deadline decided: who never came
@@ -298,6 +297,24 @@ def post_skip(ranks: tuple, me: int, ident: str, position: int, text: str, vote_
                         (text, text, text), codec_for(v.rank, ident))
     with v._lock:
         v._apply(*_core.Core(setup).skip())
+
+
+_TEXTS: dict = {}  # (rank, vote timeout, call) -> the abort texts of a deadline, an interrupt
+
+
+def _texts(record: Record, rank: int, vote_timeout: float, yes: bool) -> tuple:
+    """The abort texts the core may write (``core.Setup.texts``): this rank's no (only
+    built when it says no), its deadline's, an interrupt's (the same for every call of a
+    kind: kept)."""
+    key = (rank, vote_timeout, record.call)
+    fixed = _TEXTS.get(key)
+    if fixed is None:
+        if len(_TEXTS) > 256:
+            _TEXTS.clear()
+        fixed = _TEXTS[key] = (
+            _explain.timed_out(rank, vote_timeout, record.call).to_text(),
+            _explain.interrupted(rank, "interrupted", record.call).to_text())
+    return ("" if yes else _explain.said_no(record).to_text(),) + fixed
 
 
 # --------------------------------------------------------------------------- the store

@@ -146,12 +146,17 @@ def resolve(records: list) -> Verdict:
 # --------------------------------------------------------------------------- the codec
 
 
-def codec_for(rank: int, call: str) -> _core.Codec:
+def codec_for(rank: int, call: str, seen: Optional[dict] = None) -> _core.Codec:
     """The core's view of the values (``core.Codec``) for rank ``rank`` deciding ``call``:
-    registers from the records, with their explanation (``explain``)."""
+    registers from the records, with their explanation (``explain``). ``seen`` (a dict)
+    gets the records and the verdict this rank read, so they are parsed once."""
+    seen = {} if seen is None else seen
+
     def verdict(payloads: list) -> str:
         records = [read_record(p) for p in payloads]
-        return _explain.decided(resolve(records), records, rank, call).to_text()
+        found = resolve(records)
+        seen.update(records=records, verdict=found)
+        return _explain.decided(found, records, rank, call).to_text()
 
     def refuse(payloads: list, why: str) -> str:
         records = [read_record(p) for p in payloads]
@@ -162,6 +167,7 @@ def codec_for(rank: int, call: str) -> _core.Codec:
             found = Verdict(False, why)
         if found.commit or found.all_pass:  # the core refuses it: never a commit or a pass
             found = Verdict(False, why)
+        seen.update(records=records, verdict=found)
         return _explain.decided(found, records, rank, call).to_text()
 
     return _core.Codec(verdict, refuse, _outcome, _complete)

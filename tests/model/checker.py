@@ -14,9 +14,11 @@ Always:
 - ``bounded``: every answer comes within T + grace of the call's start, or within the
   grace of the rank's resumption when it was paused;
 - ``terminates``: in a state with no step left, every rank that did not crash has answered
-  every call;
+  every call, and none has a connection left waiting in the store;
 - ``clean-up``: in such a final state, a round that every rank answered (none crashed;
-  from its cache too) has left no key behind, and a group whose
+  from its cache too) while the store answered has left no key behind (where the store
+  stopped, a request stuck on one connection may land after the round's deletion, sent on
+  another), and a group whose
   last round every rank answered from its count's completer, or that every rank has left
   for a new group (in the same processes), has left none at all (its leftovers were swept);
 - ``clean rounds are created``: in such a final state, a round where every rank said yes
@@ -96,11 +98,14 @@ def final(sc: S.Scenario, state: S.State) -> list:
     for r, rank in enumerate(state.ranks):
         if rank.status != "crashed" and not S.finished(sc, r, rank):
             bad.append(f"terminates: rank {r} is still in {rank.current} at {state.now}")
+        if rank.status != "crashed" and rank.parked:
+            bad.append(f"terminates: rank {r}'s line is left waiting in the store for "
+                       f"{rank.wait[0][1].key}")
     if any(rank.status == "crashed" for rank in state.ranks):
         return bad
     keys = {k for k, _ in state.store}
     for (g, p), answers in rounds(sc, state).items():
-        if len(answers) == sc.size:
+        if len(answers) == sc.size and not any(a.stopped for a in answers.values()):
             left = sorted(k for k in keys if k.startswith(S.prefix(g, S.MEMBERS, p)))
             if left:
                 bad.append(f"clean-up: {(g, p)} left {left}")
@@ -108,7 +113,8 @@ def final(sc: S.Scenario, state: S.State) -> list:
         lasts = [max((a for a in rank.answers if a.group == g), key=lambda a: a.pos,
                      default=None) for rank in state.ranks]
         later_group = not sc.fresh and all(rank.group > g for rank in state.ranks)
-        if later_group or all(a is not None and a.complete for a in lasts):
+        stopped = any(a.stopped for rank in state.ranks for a in rank.answers if a.group == g)
+        if not stopped and (later_group or all(a is not None and a.complete for a in lasts)):
             left = sorted(k for k in keys if k.startswith(f"fiws/{g}/"))
             if left:
                 bad.append(f"clean-up: group {g} left {left}")

@@ -211,18 +211,21 @@ def _put(sc: Scenario, state: State, r: int, owner, core: C.Core, ops) -> State:
 
 
 def _eager(sc: Scenario, state: State, r: int) -> State:
-    """Serve a rank's count-out requests as soon as they reach the head of its main
-    connection (a partial-order reduction: the count-out touches only its own key, and the
+    """Serve a rank's count-out requests as soon as they reach the head of one of its
+    connections (a partial-order reduction: the count-out touches only its own key, and the
     keys it deletes are deleted once every rank of the round has answered, when no rank
     reads them again, so serving it at once or later reaches the same answers)."""
     while True:
         rank = state.ranks[r]
-        if state.stopped_until >= 0 or not rank.main:
+        if state.stopped_until >= 0:
             return state
-        op = rank.main[0][1]
-        if not (op.tag == C.T_OUT or op.kind == "delete"):
+        for line, fifo in (("main", rank.main), ("wait", rank.wait)):
+            if fifo and not (line == "wait" and rank.parked) and (
+                    fifo[0][1].tag == C.T_OUT or fifo[0][1].kind == "delete"):
+                state = _serve(sc, state, r, line)
+                break
+        else:
             return state
-        state = _serve(sc, state, r, "main")
 
 
 def key(state: State) -> tuple:

@@ -32,9 +32,9 @@ PINNED = {
         79, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
     "two ranks: either crashes at any step": (1563, 79, {"commit", "abort by timeout"}),
     "two ranks: either is paused past the vote timeout": (
-        2069, 19, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+        1765, 13, {"commit", "abort by timeout", "a late rank follows a decided register"}),
     "two ranks: the store stops for less than the grace, or past every deadline": (
-        13563, 116, {"commit", "abort by timeout", "in doubt"}),
+        13179, 70, {"commit", "abort by timeout", "in doubt"}),
     "two ranks: rank 0 answers its first call from its veto cache": (
         321, 2, {"commit", "abort by a peer's cached veto"}),
     "two ranks: a new group on the same store after a round only rank 0 made": (
@@ -47,11 +47,11 @@ PINNED = {
     "three ranks: every rank says yes, three calls": (4507, 1, {"commit"}),
     "three ranks: a no and a mismatch, then two clean calls": (20142, 4, {"commit", "abort by no"}),
     "three ranks: rank 2 arrives after the others' deadlines": (
-        421, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+        337, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
     "three ranks: any one crashes at any step": (3453, 157, {"commit", "abort by timeout"}),
-    "three ranks: any one is paused past the vote timeout": (4425, 10, {"commit", "abort by timeout"}),
+    "three ranks: any one is paused past the vote timeout": (4341, 7, {"commit", "abort by timeout"}),
     "three ranks: the store stops for less than the grace, or past every deadline": (
-        14408, 74, {"commit", "in doubt"}),
+        16019, 44, {"commit", "in doubt"}),
     "three ranks: rank 0 makes one call more, rank 1 answers from its cache": (
         1882, 32, {"abort by timeout", "abort by a peer's cached veto",
                "a late rank follows a decided register"}),
