@@ -78,6 +78,13 @@ class Worker:
             raise job.error
         return job.value
 
+    def start(self) -> None:
+        """Start the thread now (a head start: ``_prepare``); ``run`` starts it otherwise."""
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+
     def _loop(self) -> None:
         while True:
             with self._cv:

@@ -63,6 +63,7 @@ def install_targets() -> int:
     """
     global _active
     count = 0
+    originals = []
     with _lock:
         _active = True
         for module_name, attr, entry in TARGETS:
@@ -73,6 +74,7 @@ def install_targets() -> int:
             if current is None:
                 continue  # this release has no such function (e.g. 0.5.x unified API)
             original = _unwrap_ours(current)
+            originals.append(original)
             proxy = _proxy_for(attr, original, entry)
             for mod_name in _candidate_modules():
                 module = sys.modules.get(mod_name)
@@ -90,7 +92,7 @@ def install_targets() -> int:
     if count:  # a head start for the first decision (imports, store lines); never raises
         from .. import _prepare
 
-        _prepare.prepare()
+        _prepare.prepare(originals)
     return count
 
 

@@ -148,7 +148,7 @@ class Core:
         if self.answer is not None:
             if tag != T_OUT:
                 return self, []
-            core = dataclasses.replace(self, out=int(value))
+            core = self._with(out=int(value))
             if core.out >= self.setup.size:  # every rank has its answer: nobody reads them again
                 return core, [Op("delete", self.setup.key(k)) for k in KEYS]
             return core, []
@@ -161,7 +161,7 @@ class Core:
                 value is not False and value is not True:
             # the register, read before this rank's own abort is answered: kept, and the
             # answer waits for the abort's reply (its count-out must not pass the abort)
-            return dataclasses.replace(self, read=_text(value)), []
+            return self._with(read=_text(value)), []
         return handler(self, value)
 
     def on_tick(self, now: float) -> tuple:
@@ -196,10 +196,18 @@ class Core:
     # -- transitions
 
     def _to(self, phase: str, **changes) -> "Core":
-        return dataclasses.replace(self, phase=phase, **changes)
+        return self._with(phase=phase, **changes)
+
+    def _with(self, **changes) -> "Core":
+        """A copy with ``changes`` (``dataclasses.replace`` without re-running
+        ``__init__``: a decision makes a handful of these on every rank)."""
+        new = object.__new__(Core)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     def _abort(self, text: str, now: float) -> tuple:
-        return (dataclasses.replace(self, aborting=True, abort_at=now,
+        return (self._with(aborting=True, abort_at=now,
                                     proposed=self.proposed + (text,)),
                 [Op("cas", self.setup.key("d"), text, tag=T_ABORT, line="main")])
 
@@ -225,7 +233,7 @@ class Core:
         else:
             text = s.codec.verdict(payloads)
         core, ops = self._write(text)
-        return dataclasses.replace(core, seen=tuple(payloads)), ops
+        return core._with(seen=tuple(payloads)), ops
 
     def _write(self, text: str) -> tuple:
         return (self._to(WRITE, proposed=self.proposed + (text,)),

@@ -175,8 +175,20 @@ class Register:
 
     @classmethod
     def from_text(cls, raw: Union[str, bytes]) -> "Register":
-        """A register's value (``to_text``); an unreadable one reads as an abort."""
+        """A register's value (``to_text``); an unreadable one reads as an abort. The same
+        text is read several times per decision (its outcome, whether the count's completer
+        wrote it, the answer): kept, for the last few texts."""
         text = _text(raw)
+        found = _READ.get(text)
+        if found is None:
+            found = cls._from_text(text)
+            if len(_READ) >= 64:
+                _READ.clear()
+            _READ[text] = found
+        return found
+
+    @classmethod
+    def _from_text(cls, text: str) -> "Register":
         head, sep, body = text.partition("|")
         reg = cls.from_json(body) if sep else cls(ABORT, why="unreadable register (no outcome)")
         if sep and reg.outcome != head:
@@ -184,11 +196,7 @@ class Register:
         return reg
 
 
-def outcome_of(raw: Union[str, bytes]) -> str:
-    """A register value's outcome from its head alone: COMMIT, PASS, or ABORT for anything
-    else (an unreadable value never commits)."""
-    head = _text(raw).partition("|")[0]
-    return head if head in (COMMIT, PASS) else ABORT
+_READ: dict = {}  # register text -> Register (``Register.from_text``)
 
 
 def _text(raw) -> str:
@@ -211,6 +219,9 @@ def _names(cls) -> tuple:
 
 def _fields(obj) -> dict:
     """A dataclass's own fields as a dict, one level (their values are plain here)."""
+    found = obj.__dict__
+    if len(found) == len(_names(type(obj))):  # a plain dataclass keeps its fields there
+        return dict(found)
     return {name: getattr(obj, name) for name in _names(type(obj))}
 
 

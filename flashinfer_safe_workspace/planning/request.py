@@ -31,15 +31,38 @@ def _signature(original: Callable) -> inspect.Signature:
     return inspect.signature(original)
 
 
+@functools.lru_cache(maxsize=32)
+def _keywords(original: Callable):
+    """``(names, defaults)`` when every parameter of ``original`` can be passed by keyword
+    (none positional-only, no ``*args``/``**kwargs``): a call with keywords alone then binds
+    without ``inspect`` (what engines do). None otherwise."""
+    params = _signature(original).parameters.values()
+    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return None
+    return (tuple(p.name for p in params),
+            {p.name: p.default for p in params if p.default is not p.empty})
+
+
+def _bind(original: Callable, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, defaults filled in, as ``Signature.bind`` gives them;
+    TypeError where it does not bind."""
+    fast = None if args else _keywords(original)
+    if fast is not None:
+        names, defaults = fast
+        if kwargs.keys() <= set(names) and all(n in kwargs or n in defaults for n in names):
+            return {n: kwargs[n] if n in kwargs else defaults[n] for n in names}
+    bound = _signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def build(entry: str, original: Callable, args: tuple, kwargs: dict):
     """Bind the call to FlashInfer's own signature: ``(Request, arguments)``, or
     ``(None, None)`` when it does not bind (FlashInfer will raise its own TypeError)."""
     try:
-        bound = _signature(original).bind(*args, **kwargs)
+        a = _bind(original, args, kwargs)
     except TypeError:
         return None, None
-    bound.apply_defaults()
-    a = bound.arguments
     if entry == UNIFIED:
         cutedsl = tuple(sorted((name, value) for name, value in a.items()
                                if name in CUTEDSL_OPTIONS and value is not None))
@@ -80,8 +103,21 @@ def summary(req: Request) -> dict:
             for k, v in out.items()}
 
 
+_IDENTITIES: dict = {}  # Request -> its identity (a decision asks for it several times)
+
+
 def identity(req: Request) -> str:
-    return digest(summary(req))
+    """The digest of the arguments every rank must share (``summary``)."""
+    try:
+        found = _IDENTITIES.get(req)
+    except TypeError:  # an argument that is not hashable: computed each time
+        return digest(summary(req))
+    if found is None:
+        found = digest(summary(req))
+        if len(_IDENTITIES) >= 256:
+            _IDENTITIES.clear()
+        _IDENTITIES[req] = found
+    return found
 
 
 def uses_comm_backend(req: Request) -> bool:
