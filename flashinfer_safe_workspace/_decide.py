@@ -2,7 +2,7 @@
 
 The flow only; the pieces live elsewhere: the call's arguments (``_request``), the ranks
 (``_group``), this rank's record under the call's deadline (``_local``: facts, checks,
-plan and probe), the round and its register (``_vote``), the veto messages (``_explain``).
+plan and probe), the round and its register (``agreement``), the veto messages (``_veto``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Callable, Optional
 from .agreement import (
     allgather as _allgather,
     driver as _driver,
-    explain as _explain,
     group as _group,
     positions as _positions,
     store as _store,
@@ -25,9 +24,9 @@ from .agreement import (
 from . import _config
 from .planning import request as _request
 from . import _reasons as R
-from .agreement.explain import VetoInfo
+from ._veto import VetoInfo
 from .agreement.record import ABORT, PASS, Register
-from . import _local, checks as _checks
+from . import _local, _veto, checks as _checks
 from ._log import internal_error
 from .planning.plan import Plan
 
@@ -188,12 +187,12 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         members = _group.members_for(group=bound.get("group"), comm_backend=bound.get("comm_backend"),
                                      uses_comm_backend=_request.uses_comm_backend(req))
     except _group.ForkedChild as exc:  # FlashInfer would wait forever here: never call it
-        return Decision("veto", "forked child", _explain.local(str(exc)))
+        return Decision("veto", "forked child", _veto.local(str(exc)))
     except Exception as exc:  # noqa: BLE001 - e.g. not a member of the group it names
         internal_error("group", exc)
         if settings.fail_open:
             return Decision("call", f"no rank set ({exc}); fail-open")
-        return Decision("veto", "no rank set", _explain.local(
+        return Decision("veto", "no rank set", _veto.local(
             f"could not tell which ranks create this workspace: {type(exc).__name__}: {exc}"))
     wkey = (entry, members.ranks, members.kind, ident)
     _store.check_world()
@@ -236,7 +235,7 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
 
 
 def _busy(decision: Decision, members) -> Decision:
-    info = _explain.local(f"another thread of this process was still deciding for ranks "
+    info = _veto.local(f"another thread of this process was still deciding for ranks "
                           f"{list(members.ranks)} when the vote timeout ran out")
     decision.veto, decision.reason = info, info.message
     return decision  # not cached: the peers may have decided either way without us
@@ -282,7 +281,7 @@ def _decide_round(decision: Decision, call: _Call) -> Decision:
                       or (record.failed_check() if record is not None else "")
                       or _checks.named_in(outcome.register.why if outcome.register else "")
                       or _checks.named_in(outcome.missing)) or "-"
-    info = _explain.veto(outcome, call.members, decision.plan, record)
+    info = _veto.veto(outcome, call.members, decision.plan, record)
     decision.veto, decision.reason = info, info.message
     if _keep(outcome, call.members.kind, call.ident):
         _remember(call.wkey, call.fast, info, call.epoch,

@@ -17,9 +17,9 @@ import time
 from . import _bounded, _reasons as R
 from . import checks as _checks
 from ._log import internal_error, logger, rank_tag
-from .agreement import exchange as _exchange, group as _group
+from .agreement import group as _group
 from .agreement.record import NO, PASS_STATE, YES, Candidate, CheckResult, Record
-from .checks import deep as _deep, memory as _memory
+from .checks import deep as _deep, exchange as _exchange, memory as _memory
 from .planning import plan as _plan, probe as _probe, request as _request
 from .planning.plan import PassThrough
 

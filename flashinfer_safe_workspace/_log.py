@@ -146,7 +146,7 @@ def decision(d, outcome: str, answer: str, caller: str, audit: str) -> dict:
 
 
 def veto(info, summary: str, answer, fields: dict) -> None:
-    """The veto WARNING: ``summary`` (``agreement.explain.headline``) first, then this
+    """The veto WARNING: ``summary`` (``_veto.headline``) first, then this
     rank's fields, then the veto's message, then the page that says what to do. The
     decision's fields ride on the record, with the sentence and the message. Never raises."""
     try:

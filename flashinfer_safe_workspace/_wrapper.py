@@ -15,8 +15,7 @@ import threading
 import time
 
 from .audit import compare as _audit
-from . import _caller, _config, _decide, _log, _reasons
-from .agreement import explain as _explain
+from . import _caller, _config, _decide, _log, _reasons, _veto
 from ._errors import WorkspaceVetoed
 from ._log import internal_error, logger, rank_tag
 
@@ -45,7 +44,7 @@ def make_wrapper(entry: str):
             if settings.fail_open:
                 decision = _decide.Decision("call", "internal error; fail-open")
             else:
-                decision = _decide.Decision("veto", "internal error", _explain.local(
+                decision = _decide.Decision("veto", "internal error", _veto.local(
                     f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}",
                     (_reasons.INTERNAL_ERROR,)))
         if decision.action == "veto":
@@ -100,7 +99,7 @@ def _refuse(entry: str, settings, info, decision=None):
     answer = _caller.resolve(settings.on_veto, entry, need_caller=logged or debug)  # never raises
     if logged:
         fields = _log.decision(decision, "veto", answer.kind, answer.caller, "-")
-        _log.veto(info, _explain.headline(info, _then(entry, answer)), answer, fields)
+        _log.veto(info, _veto.headline(info, _then(entry, answer)), answer, fields)
     elif debug:
         logger.debug("fiws decision %s outcome=veto-cached entry=%s %s", rank_tag(), entry,
                      _caller.fields(answer))

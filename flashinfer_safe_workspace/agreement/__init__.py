@@ -1,7 +1,8 @@
 """Agreement: every rank's answer, ANDed, through the c10d store and never a collective.
 
-``group`` finds the ranks that decide together; ``vote`` is the verdict over their
-records; ``round`` is one decision's keys and register in the store; ``store`` is our own
-bounded line to it; ``allgather`` is the variant for comm backends without a torch group;
-``explain`` turns a veto into the message every rank logs.
+``core`` decides one rank's round with no I/O; ``driver`` runs it on the store lines of
+``store``; ``positions`` names the round (the call's position, the group's generation);
+``vote`` is the verdict over the records; ``explain`` what an abort's register says;
+``record`` the wire; ``group`` which ranks decide together; ``allgather`` the variant for
+comm backends without a torch group.
 """

@@ -17,9 +17,9 @@ A yes rank appends its record and adds 1 (one round trip). The add that complete
 count (every rank said yes: a no never adds) reads every record (one) and writes the
 register (one): commit only if every record is a yes to this very call, else an abort
 naming why. Every other yes rank waits for the register (one) and reads it (one). A no
-rank appends and writes its abort at once (one). At its deadline a rank still without an answer writes an abort
-(one); whichever write came first is every rank's answer. A rank whose last write is not
-answered by its deadline plus the grace is in doubt: it vetoes, and says so.
+rank appends and writes its abort at once (one). At its deadline a rank still without an
+answer writes an abort (one); whichever write came first is every rank's answer. A rank
+whose last write is not answered by its deadline plus the grace is in doubt: it vetoes.
 
 :class:`Core` holds one rank's state and is immutable: each event returns the next core
 and the operations to run, so the production driver (``driver``) and the explicit-state
@@ -38,8 +38,8 @@ DOUBT = "doubt"  # this rank's answer when its last write was not answered in ti
 # phases of one rank's decision
 NEW, COUNT, READ, WRITE, WAIT, FETCH, DONE = "new", "count", "read", "write", "wait", "fetch", "done"
 # what a reply answers (``Op.tag``)
-T_COUNT, T_READ, T_WRITE, T_WAIT, T_FETCH, T_ABORT, T_OUT, T_REAP = (
-    "count", "read", "write", "wait", "fetch", "abort", "out", "reap")
+T_COUNT, T_READ, T_WRITE, T_WAIT, T_FETCH, T_ABORT, T_OUT = (
+    "count", "read", "write", "wait", "fetch", "abort", "out")
 KEYS = ("r", "n", "d", "o")  # a round's keys, in the order the last rank out deletes them
 
 
@@ -66,7 +66,7 @@ class Op:
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """What the core needs to know of the values, as pure functions (the production one
-    is ``verdict.CODEC``; the checker has a small one of its own).
+    is ``vote.codec_for``'s; the checker has a small one of its own).
 
     ``verdict(payloads)``: the register text for a round where every record says yes to
     one call (commit, pass, or an abort by a cross-rank check); ``refuse(payloads, why)``:
@@ -207,15 +207,14 @@ class Core:
         return new
 
     def _abort(self, text: str, now: float) -> tuple:
-        return (self._with(aborting=True, abort_at=now,
-                                    proposed=self.proposed + (text,)),
+        return (self._with(aborting=True, abort_at=now, proposed=self.proposed + (text,)),
                 [Op("cas", self.setup.key("d"), text, tag=T_ABORT, line="main")])
 
     def _counted(self, c) -> tuple:
         s = self.setup
         if int(c) == s.size:  # every rank said yes, this one last: decide
             return self._to(READ), [Op("get", s.key("r"), tag=T_READ)]
-        return self._to(WAIT), [Op("wait", s.key("d"), tag=T_WAIT, line="wait")]
+        return self._to(WAIT), [Op("wait", s.key("d"), tag=T_WAIT)]
 
     def _read(self, blob) -> tuple:
         """Every rank's yes is in (each appended its record before it added): commit only
@@ -244,20 +243,17 @@ class Core:
         wakes nobody): a read of a missing key wakes its waiters, and two ranks woken for
         nothing would otherwise wake each other for as long as the register is missing."""
         if self.spurious:
-            return self._to(FETCH), [Op("check", self.setup.key("d"), tag=T_FETCH, line="wait")]
-        return self._to(FETCH), [Op("get", self.setup.key("d"), tag=T_FETCH, line="wait")]
+            return self._to(FETCH), [Op("check", self.setup.key("d"), tag=T_FETCH)]
+        return self._to(FETCH), [Op("get", self.setup.key("d"), tag=T_FETCH)]
 
     def _fetched(self, value) -> tuple:
         if value is None or value is False:  # woken by an outsider's read of the missing
             return self._to(WAIT, spurious=True), [  # register: wait on
-                Op("wait", self.setup.key("d"), tag=T_WAIT, line="wait")]
+                Op("wait", self.setup.key("d"), tag=T_WAIT)]
         if value is True:  # it is there now
             return self._to(FETCH, spurious=False), [
-                Op("get", self.setup.key("d"), tag=T_FETCH, line="wait")]
+                Op("get", self.setup.key("d"), tag=T_FETCH)]
         return self._decided(value)
-
-    def _written(self, held) -> tuple:
-        return self._decided(held)
 
     def _decided(self, held) -> tuple:
         text = _text(held)
@@ -279,7 +275,7 @@ class Core:
 _HANDLERS = {
     (COUNT, T_COUNT): Core._counted,
     (READ, T_READ): Core._read,
-    (WRITE, T_WRITE): Core._written,
+    (WRITE, T_WRITE): Core._decided,
     (WAIT, T_WAIT): Core._woken,
     (FETCH, T_FETCH): Core._fetched,
 }

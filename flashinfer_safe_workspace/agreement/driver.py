@@ -1,23 +1,15 @@
 """Runs one rank's ``core.Core`` on the c10d store: its operations on our store lines, the
-replies back into it, the real clock against its deadline.
+replies back into it, the real clock against its deadline. The core decides; this carries.
 
-The core decides everything; this module only carries. Two lines (``store``): the
-process's main line for the short operations and, per rank set, a waiting line for the
-one blocking wait (a thread blocked in ``wait`` holds its connection for every other
-operation). Each line runs the core's operations for it in the order the core emitted
-them, on the line's own thread, and hands each reply to the core there (under the
-decision's lock); the calling thread only waits, in slices, and tells the core the time
-when its deadline comes. So a healthy decision costs one hand-off to the main line and,
-for a rank that waits, one to the waiting line, whatever N.
-
-After the answer, the core's count-out (and, for the last rank out, the round's deletion)
-runs on the main line while the caller goes on. A rank that counted out short of the
-size after an abort remembers the round (``core.leftover``); the rounds it remembers go
-once it answers a later round of the set from the count's completer (``core.sweep``), or
-when the default group is replaced (``forget_group``).
-
-Without a waiting line (a store that cannot be cloned) the wait is a ``check`` every
-``POLL_S`` from the calling thread, which wakes nobody.
+Two lines (``store``): the rank set's own line runs the round's operations, in the order
+the core emits them, its blocking wait among them, and hands each reply to the core there
+(under the decision's lock): one hand-off per decision, whatever N. The process's main
+line carries the abort at a deadline or an interrupt, which must not queue behind that
+wait. The calling thread only waits, in slices, and tells the core the time. After the
+answer the count-out runs on the round's line while the caller goes on. Rounds this rank
+left behind (``core.leftover``) go once it answers a later round of the set from the
+count's completer (``core.sweep``), or when the default group is replaced. Without a
+waiting line (a store that cannot be cloned), the wait is a ``check`` every ``POLL_S``.
 """
 
 from __future__ import annotations
@@ -85,15 +77,6 @@ class StoreVote:
         generation = self.group.generation_by(main, size, self.deadline)
         self.prefix = _positions.prefix(generation, self.mkey, self.position)
 
-    def decided_before(self) -> bool:
-        """Whether the round's register is written already (one ``check``: it wakes
-        nobody). A rank that comes late asks before its deep probe."""
-        key = self.prefix + "d"
-        try:
-            return bool(self._lines["main"].call(lambda s: s.check([key]), self.deadline))
-        except Exception:  # noqa: BLE001 - then the probe runs, bounded by the round
-            return False
-
     # -- the vote
 
     def vote(self, record: Record) -> Outcome:
@@ -143,7 +126,7 @@ class StoreVote:
                 ops = list(ops) + self._answered(core)
             self._done.set()
         if before is not None and not _core.leftover(before) and _core.leftover(core):
-            _remember(self.group, self.mkey, self.prefix)
+            self.group.remember(self.mkey, self.prefix)
         for op in ops:
             line = op.line if op.line in self._lines else "main"
             if op.kind == "wait" and "wait" not in self._lines:
@@ -158,10 +141,10 @@ class StoreVote:
     def _answered(self, core: _core.Core) -> list:
         """Once answered: the rounds this rank left behind on the set go when this answer
         shows every rank came (``core.sweep``)."""
-        older = _leftovers(self.group, self.mkey, self.prefix)
+        older = [p for p in self.group.leftovers(self.mkey) if p != self.prefix]
         gone = _core.sweep(core, older)
         if gone:
-            _forget(self.group, self.mkey, older)
+            self.group.forget(self.mkey, older)
         return gone
 
     def _drain(self, s, name: str) -> None:
@@ -369,43 +352,12 @@ def _group_size() -> int:
     return _group.world_size()
 
 
-# --------------------------------------------------------------------------- leftovers
-#
-# Per default group (``positions.Group``) and rank set: the prefixes of rounds this rank
-# left behind. A new default group forgets the old one's: ``forget_group`` deletes them
-# on the new group's line (every rank of the old group has left it).
-
-_left_lock = threading.Lock()
-LIMIT = 1024  # remembered at most per rank set (the oldest are dropped, their keys stay)
-
-
-def _remember(group, mkey: str, prefix: str) -> None:
-    with _left_lock:
-        found = group.leftovers.setdefault(mkey, [])
-        if prefix not in found:
-            found.append(prefix)
-            del found[:-LIMIT]
-
-
-def _leftovers(group, mkey: str, before: str) -> list:
-    with _left_lock:
-        return [p for p in group.leftovers.get(mkey, []) if p != before]
-
-
-def _forget(group, mkey: str, prefixes: list) -> None:
-    with _left_lock:
-        kept = [p for p in group.leftovers.get(mkey, []) if p not in prefixes]
-        group.leftovers[mkey] = kept
-
-
 def forget_group(old, line) -> None:
-    """The default group ``old`` was replaced: its leftovers' keys go, on ``line`` (the
-    new group's; without waiting). Never raises."""
+    """The default group ``old`` was replaced: the rounds it left behind go, on ``line``
+    (the new group's; without waiting). Never raises."""
     try:
-        with _left_lock:
-            prefixes = [p for found in old.leftovers.values() for p in found]
-        if prefixes:
-            ops = _core.forget(prefixes)
+        ops = _core.forget(old.leftovers())
+        if ops:
             line.submit(lambda s: [s.delete_key(op.key) for op in ops])
     except Exception:  # noqa: BLE001 - clean-up only
         pass

@@ -8,13 +8,10 @@ operation. The round's keys carry the default group's generation on its store, s
 of an earlier group on the same store (``init_process_group(store=...)`` again) reaches a
 later one: ``fiws/<generation>/<ranks>/<position>/``.
 
-The generation: every rank of every default group adds 1 to ``fiws/worlds`` once (when the
-shim first meets the group: at ``install()`` where a group exists, else at its first
-decision), so the ranks of the g-th group on one store read ``g*size+1 .. g*size+size``.
-Where a rank of an earlier group never met the shim, the counts of later groups are
-shifted and their ranks' rounds do not meet: every call of that group is vetoed at its
-vote timeout (never created on some ranks only). docs/agreement.md says when this can
-happen.
+The generation: every rank of every default group adds 1 to ``fiws/worlds`` once, when
+the shim first meets the group, so the ranks of the g-th group on one store read
+``g*size+1 .. g*size+size`` (docs/agreement.md: when a rank that never met a group shifts
+the counts of later ones).
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from typing import Optional
 from . import store as _store
 
 WORLDS_KEY = "fiws/worlds"
+LEFT = 1024  # rounds left behind remembered per rank set (beyond, the oldest keep their keys)
 
 
 def prefix(generation: int, members: str, position: int) -> str:
@@ -45,7 +43,7 @@ class Group:
         self._done: dict = {}  # rank-set key -> positions done above the front
         self.generation: Optional[int] = None
         self._pending = None  # the store operation reading the generation, once submitted
-        self.leftovers: dict = {}  # rank-set key -> prefixes of rounds left behind (``driver``)
+        self._left: dict = {}  # rank-set key -> prefixes of rounds this rank left behind
 
     def take(self, set_key: str) -> int:
         """The position of this call on the rank set (every call takes one, in the order
@@ -87,6 +85,25 @@ class Group:
                 front += 1
             self._front[set_key] = front
             self._turns.notify_all()
+
+    def remember(self, set_key: str, prefix: str) -> None:
+        """A round this rank left behind (``core.leftover``); at most ``LEFT`` per set."""
+        with self._lock:
+            found = self._left.setdefault(set_key, [])
+            if prefix not in found:
+                found.append(prefix)
+                del found[:-LEFT]
+
+    def leftovers(self, set_key: Optional[str] = None) -> list:
+        """The rounds left behind on a set (every set's: None)."""
+        with self._lock:
+            if set_key is None:
+                return [p for found in self._left.values() for p in found]
+            return list(self._left.get(set_key, ()))
+
+    def forget(self, set_key: str, prefixes: list) -> None:
+        with self._lock:
+            self._left[set_key] = [p for p in self._left.get(set_key, ()) if p not in prefixes]
 
     def start_generation(self, line, size: int):
         """Submit the one ``add`` that numbers this group on its store (once); the
@@ -135,7 +152,7 @@ def replaced() -> list:
 
 def _new_world():
     global GROUP
-    if GROUP.leftovers:
+    if GROUP.leftovers():
         _replaced.append(GROUP)
     GROUP = Group()
 

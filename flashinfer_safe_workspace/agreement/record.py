@@ -86,11 +86,6 @@ class Record:
     checks: dict = dataclasses.field(default_factory=dict)  # check name -> CheckResult
     wire: int = WIRE
 
-    @classmethod
-    def stand_in(cls, rank: int, call: str, args: dict) -> "Record":
-        """A peer we know only from its board entry (for a mismatch message)."""
-        return cls(rank=rank, pid=0, position=-1, call=call, args=dict(args))
-
     def is_yes(self) -> bool:
         """Whether this record can still be part of a commit (or of an all-pass): such a
         rank waits for every record; any other rank decides abort at once."""

@@ -1,18 +1,13 @@
-"""Our own bounded line to the c10d store of the default process group.
+"""Our own bounded lines to the c10d store of the default process group.
 
-The agreement needs a handful of key/value operations (``set``, ``check``, ``multi_get``,
-``compare_set``, ``add``, ``delete_key``). They run on one daemon thread of ours, over our
-own connection (``clone()`` of the host's default store, so the host's store object, its
-timeout and its socket are never touched), and the caller waits for each one in short
-slices: Ctrl-C reaches the host within a slice, and a store host that stops answering
-(SIGSTOP, a dead machine) costs the caller at most its deadline.
-
-Operations are executed in the order they were submitted, on one connection. A caller that
-gives up (deadline, interrupt) may still submit an ``abort`` behind the operation that is
-stuck; it is sent as soon as the store answers again, before anything submitted later.
-At most one operation per process can be stuck at a time: later callers queue behind it and
-give up at their own deadlines. After ``fork()`` the child starts with no connection and no
-thread (``os.register_at_fork``).
+A line is one connection of ours (``clone()`` of the host's default store: the host's
+store object, its timeout and its socket are never touched) and one daemon thread that
+runs the operations submitted to it, in order. Callers wait for an operation in slices
+(``SLICE_S``): Ctrl-C reaches the host within a slice, and a store host that stops
+answering costs a caller at most its deadline. An operation given up before it started
+never runs; one that failed drops its connection (a request that ran out of time may
+still be answered on it), and a connection that broke marks the store host gone: later
+operations fail at once, without touching a socket. After ``fork()`` the child has no line.
 """
 
 from __future__ import annotations
@@ -40,16 +35,12 @@ class _Op:
     __slots__ = ("fn", "done", "value", "error", "started", "cancelled")
 
     def __init__(self, fn: Callable[[Any], Any]):
-        self.fn = fn
-        self.done = threading.Event()
-        self.value = None
-        self.error: Optional[BaseException] = None
-        self.started = False
-        self.cancelled = False  # the caller gave up before it started: never run it
+        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
+        self.started = self.cancelled = False
 
 
 class StoreLine:
-    """One connection and one worker thread, shared by every decision of this process."""
+    """One connection and its thread."""
 
     def __init__(self, opener: Callable[[], Any]):
         self._opener = opener
@@ -57,11 +48,9 @@ class StoreLine:
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Condition(threading.Lock())
         self._thread: Optional[threading.Thread] = None
-        self.busy_since: Optional[float] = None  # monotonic start of the op in progress
         self.epoch = _epoch  # the default group this line's store belongs to
         self._closed = False  # its group was replaced: the thread ends once the queue is empty
 
-    # -- worker
     def _run(self):
         while True:
             with self._wake:
@@ -92,88 +81,52 @@ class StoreLine:
                     op.done.set()
                     continue
                 op.started = True
-            if _gone is not None and self.epoch == _epoch:  # the store host is gone: never
-                # touch a socket again
+            if _gone is not None and self.epoch == _epoch:
                 op.error = StoreUnavailable(_gone)
                 op.done.set()
                 continue
-            self.busy_since = time.monotonic()
             try:
                 op.value = op.fn(self._store)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc
                 _note_failure(exc, self.epoch)
-                # a request that failed (its connection broke, or it ran out of time and its
-                # answer may still come) leaves the connection in no known state: the next
-                # operation opens a new one
-                self._store = None
+                self._store = None  # the next operation opens a new connection
             finally:
-                self.busy_since = None
                 op.done.set()
-
-    def forget(self, op) -> None:
-        """The caller no longer wants ``op``: if it has not started, it never runs."""
-        self.cancel(op)
-
-    def cancel(self, op) -> bool:
-        """Make sure ``op`` never runs: True if it had not started (it never will), False
-        if it has started (it runs to its end; the caller must wait for it, not act in its
-        place)."""
-        with self._wake:
-            if not op.started:
-                op.cancelled = True
-            return op.cancelled
 
     def close(self) -> None:
         """The line's group was replaced: its thread sends what is still queued (an old
-        round's abort or clean-up), then ends; an operation submitted later starts it
-        again for that operation only."""
+        round's abort or clean-up), then ends."""
         with self._wake:
             self._closed = True
             self._wake.notify()
 
     def warm(self) -> None:
-        """Connect and start the thread now, off any decision's path (a no-op queued; none
-        once connected)."""
+        """Connect and start the thread now, off any decision's path."""
         if self._store is None and (self._thread is None or not self._thread.is_alive()):
             self.submit(lambda _s: None)
 
-    def _start(self):
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="fiws-store", daemon=True)
-            self._thread.start()
-
-    # -- callers
     def submit(self, fn: Callable[[Any], Any]) -> _Op:
         op = _Op(fn)
         with self._wake:
-            self._start()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fiws-store", daemon=True)
+                self._thread.start()
             self._queue.append(op)
             self._wake.notify()
         return op
 
     def call(self, fn: Callable[[Any], Any], deadline: float):
-        """Run ``fn(store)`` on the worker; wait until it is done or ``deadline`` (monotonic)."""
+        """Run ``fn(store)`` on the line; wait until it is done or ``deadline`` (monotonic).
+        Given up (deadline, Ctrl-C) before it started, it never runs."""
         op = self.submit(fn)
         try:
-            while not op.done.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StoreTimeout("the c10d store did not answer in time")
-                op.done.wait(min(left, SLICE_S))
+            return wait_op(op, deadline)
         except BaseException:
-            with self._wake:  # given up (deadline, Ctrl-C): an op not yet started never runs
+            with self._wake:
                 if not op.started:
                     op.cancelled = True
             raise
-        if op.error is not None:
-            raise plain(op.error)
-        return op.value
-
-    def stuck_for(self) -> float:
-        """Seconds the operation in progress has been running (0 when idle)."""
-        since = self.busy_since
-        return 0.0 if since is None else time.monotonic() - since
 
 
 def wait_op(op: "_Op", deadline: float):
@@ -236,12 +189,14 @@ def _note_failure(exc: BaseException, line_epoch: int) -> None:
         _gone = f"the c10d store is gone: {short(exc)}"
 
 
-_op_timeout_s = 300.0  # our connection's own timeout; the caller's deadline comes first
+_op_timeout_s = 300.0  # our connections' own timeout; the caller's deadline comes first
 
 
 def op_timeout_s() -> float:
-    """Our connections' own timeout (a blocking read sets its own, then restores this)."""
+    """Our connections' own timeout: at least 300 s, and the vote timeout plus 2 s."""
     return _op_timeout_s
+
+
 _line: Optional[StoreLine] = None
 _line_lock = threading.Lock()
 
@@ -315,11 +270,10 @@ def prepare(vote_timeout_s: float, key: str) -> None:
 
 
 def waiter(vote_timeout_s: float, key: str = "", line_epoch: Optional[int] = None):
-    """A second line per rank set, only for blocking reads (``wait`` in the store until a
-    key exists): nobody polls, and the first line stays free for writes. Decisions on one
-    rank set are serialised, so a set's waiting line holds at most that decision's read;
-    another set's decision, on another thread, waits on a line of its own. None for a
-    round of a replaced group (``line_epoch``): it polls on its own first line instead."""
+    """The rank set ``key``'s own line: its rounds' operations, the blocking wait among
+    them (it holds its connection while it waits, so the first line stays free for an
+    abort). A rank's rounds on a set run one at a time. None for a round of a replaced
+    group (``line_epoch``)."""
     global _op_timeout_s
     with _line_lock:
         if line_epoch is not None and line_epoch != _epoch:
@@ -329,11 +283,6 @@ def waiter(vote_timeout_s: float, key: str = "", line_epoch: Optional[int] = Non
         if found is None:
             found = _waiters[key] = StoreLine(lambda: _open_clone(strict=True))
         return found
-
-
-def forget(line_, op) -> None:
-    if line_ is not None and op is not None:
-        line_.forget(op)
 
 
 def _after_fork_in_child():

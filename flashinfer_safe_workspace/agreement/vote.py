@@ -1,32 +1,11 @@
-"""The agreement: one record per rank per decision, and one register that decides.
+"""The verdict over every rank's records, and the values of a round's register.
 
-Every rank that reaches the wrapper for a multi-rank workspace publishes exactly one
-record for the decision (also when its own plan or probe failed: then it says no and
-why). The decision is the group-wide AND of the records' yes bits, gated on every rank
-having made the same call with the same plan. Ranks learn it through one register per
-decision in the c10d store, written with ``compare_set`` so that the first write wins
-for everyone:
-
-* the rank whose record completes the set reads every record; all yes with the same
-  plan, it proposes, every other rank acknowledges, and the acknowledgement that completes
-  the count writes ``commit`` (so a yes counts only from a rank still alive once every
-  record was in: a rank that died after its yes never acknowledges);
-* a rank that said no, saw a no or a mismatch, was interrupted, or reached its deadline
-  writes ``abort`` (a no in the store also blocks the proposal, whether or not its rank
-  is still alive);
-* every rank returns what the register holds, including a rank whose own write lost. No
-  clock of one host is compared with another's.
-
-Keys: ``fiws/<ranks>/<n>/…`` where ``n`` counts this rank's decisions for that rank set.
-A rank whose count is behind (it answered an earlier call from its veto cache, or took a
-pass-through, while a peer waited) finds a register already decided. It follows that
-register only if it is an ``abort`` that names its own call (the call it would have
-joined); a ``commit`` is never followed by a rank that did not publish in it, and a
-decided round of another call is skipped. A peer still waiting in a round of the call this
-rank skipped learns from the boards that this rank is ahead (``board``) and ends that round,
-so a skipped call costs one vetoed call and never misaligns later decisions: the next call
-re-aligns on the first undecided round. Keys of a round are deleted by the last rank to
-finish it.
+``resolve`` is the group's answer from every rank's record (pure: the same on every rank
+that reads them): the AND of their yes, gated on every rank having made the same call
+with the same plan and on the cross-rank comparisons (handed in by ``_decide``).
+``codec_for`` gives the core (``core``) its view of the values: the register the rank that
+completes a round's count writes, with its explanation (``explain``). ``Outcome`` is what
+a round tells the caller; ``LocalRound`` decides a group of one.
 """
 
 from __future__ import annotations
@@ -44,8 +23,7 @@ from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register, read
 __all__ = ["GRACE_S", "LocalRound", "Outcome", "Verdict", "codec_for", "digest", "members_key",
            "resolve", "use_comparison"]
 
-GRACE_S = 1.0  # store operations may end this long after the deadline; with the final
-# register read (0.4 s) and an abort written on the way out (0.2 s) the bound stays T + 2 s
+GRACE_S = 1.0  # a rank's abort may take this long to be answered; within T + 2 s in all
 
 
 # --------------------------------------------------------------------------- the verdict

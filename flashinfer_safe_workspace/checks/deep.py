@@ -2,7 +2,7 @@
 import every same-host peer's.
 
 The check knows facts, not transports: its context brings the round's exchange
-(``ctx.extra["exchange"]``, ``agreement/exchange``: keyed by the round itself, so the
+(``ctx.extra["exchange"]``, ``checks/exchange``: keyed by the round itself, so the
 ranks of one round always pair) and the prober (``ctx.extra["prober"]``). Every rank that
 decides publishes either its exported handle or ``skip`` (a rank whose own checks
 failed), so nobody waits for a rank that will not export. A rank that arrives after its

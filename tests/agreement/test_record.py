@@ -3,7 +3,8 @@
 import json
 
 from flashinfer_safe_workspace import _reasons as R
-from flashinfer_safe_workspace.agreement import explain, vote
+from flashinfer_safe_workspace import _veto as explain
+from flashinfer_safe_workspace.agreement import vote
 from flashinfer_safe_workspace.agreement.record import ABORT, COMMIT, WIRE, Register
 
 

@@ -19,7 +19,8 @@ PKG = Path(flashinfer_safe_workspace.__file__).resolve().parent
 SCRIPT = r"""
 import json, os, sys
 from flashinfer_safe_workspace import _reasons as R
-from flashinfer_safe_workspace.agreement import explain, vote
+from flashinfer_safe_workspace import _veto as explain
+from flashinfer_safe_workspace.agreement import vote
 from flashinfer_safe_workspace.agreement.record import YES, Candidate, CheckResult, Record
 
 def records(versions):

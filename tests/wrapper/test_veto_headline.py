@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from flashinfer_safe_workspace import _reasons as R
-from flashinfer_safe_workspace.agreement import explain
+from flashinfer_safe_workspace import _veto as explain
 from flashinfer_safe_workspace.agreement.record import NO, Candidate, Record
 from flashinfer_safe_workspace.planning.probe import CUDA_ERROR_OUT_OF_MEMORY
 

@@ -116,13 +116,6 @@ def test_failed_check_and_no_text():
     assert len(long.no_text()) == 400
 
 
-def test_stand_in():
-    s = Record.stand_in(4, "c9", {"n": 2})
-    assert s == Record(rank=4, pid=0, position=-1, call="c9", args={"n": 2})
-    assert s.candidates == {} and s.checks == {} and not s.auto and not s.multicast
-
-
-# ---------------------------------------------------------------- the register
 def test_register_round_trip():
     reg = Register(ABORT, 2, "why", check="hosts", reasons=(R.HOSTS_SPAN, R.ARG_MISMATCH),
                    details=("rank 1: hosts differ",), named=(1, 2), short=((1, 0, 5),),

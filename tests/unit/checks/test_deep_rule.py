@@ -1,6 +1,6 @@
 """Modes 7, 8, 9 (opt-in deep probe): where it applies, the handle type it exports, and
 one rank's rule over the exchange its context brings (``ctx.extra["exchange"]``, a real
-``agreement.exchange.Exchange`` on a real in-memory ``HashStore``), with the peer's side
+``checks.exchange.Exchange`` on a real in-memory ``HashStore``), with the peer's side
 written by the test as a peer would write it. The simulated device stands behind the probe
 interface (export and import of handles), given as ``ctx.extra["prober"]``. The exchange's
 own logic is ``tests/unit/agreement/test_exchange.py``."""
@@ -14,7 +14,7 @@ import pytest
 
 from flashinfer_safe_workspace import _reasons as R, checks
 from flashinfer_safe_workspace.agreement import store as _store
-from flashinfer_safe_workspace.agreement.exchange import Exchange
+from flashinfer_safe_workspace.checks.exchange import Exchange
 from flashinfer_safe_workspace.checks import deep
 from flashinfer_safe_workspace.planning.simulated import SimulatedDevice
 from unit.facts import ctx, fabric, settings

@@ -1,5 +1,5 @@
-"""A small exchange of values among one round's ranks through the c10d store, for a check
-that needs one before the vote (the deep probe, ``checks/deep``): each rank publishes one
+"""The deep probe's exchange (``deep``) among one round's ranks through the c10d store, before
+the vote: each rank publishes one
 value, reads its peers', says when it is done, and the last one through removes the keys.
 
 Its keys are under the round's own prefix (``fiws/<generation>/<ranks>/<position>/x/
@@ -15,7 +15,7 @@ import json
 import time
 from typing import Optional
 
-from . import store as _store
+from ..agreement import store as _store
 
 POLL_S = 0.005
 GRACE_S = 0.2  # one operation past the bound (the first look at a bound already passed)

@@ -1,4 +1,4 @@
-"""The exchange of values among one round's ranks (``agreement/exchange``), used by the deep
+"""The exchange of values among one round's ranks (``checks/exchange``), used by the deep
 probe: keys under the round's prefix, publish and gather, done and wait_done, the stop when
 the round's register is written, and the last taker's cleanup, over a real in-memory
 ``HashStore`` (each rank its own store line, as processes would). No test allows a span of
@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from flashinfer_safe_workspace.agreement import exchange as _exchange, store as _store
-from flashinfer_safe_workspace.agreement.exchange import Exchange
+from flashinfer_safe_workspace.agreement import store as _store
+from flashinfer_safe_workspace.checks import exchange as _exchange
+from flashinfer_safe_workspace.checks.exchange import Exchange
 
 PREFIX = "fiws/0/4-5-6/3/"
 LONG = 30.0
