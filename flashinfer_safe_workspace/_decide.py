@@ -187,13 +187,14 @@ def decide(entry: str, original: Callable, args: tuple, kwargs: dict,
         members = _group.members_for(group=bound.get("group"), comm_backend=bound.get("comm_backend"),
                                      uses_comm_backend=_request.uses_comm_backend(req))
     except _group.ForkedChild as exc:  # FlashInfer would wait forever here: never call it
-        return Decision("veto", "forked child", _veto.local(str(exc)))
+        return Decision("veto", "forked child", _veto.local(str(exc)), logged=True)
     except Exception as exc:  # noqa: BLE001 - e.g. not a member of the group it names
         internal_error("group", exc)
         if settings.fail_open:
             return Decision("call", f"no rank set ({exc}); fail-open")
         return Decision("veto", "no rank set", _veto.local(
-            f"could not tell which ranks create this workspace: {type(exc).__name__}: {exc}"))
+            f"could not tell which ranks create this workspace: {type(exc).__name__}: {exc}"),
+            logged=True)
     wkey = (entry, members.ranks, members.kind, ident)
     _store.check_world()
     hit = _veto_cache.get(wkey)
@@ -252,8 +253,9 @@ def _run_round(rnd, call: _Call, decision: Decision):
         return rnd.vote(record), record
     except (_store.StoreTimeout, _store.StoreUnavailable) as exc:
         rnd.abort_now(f"store: {exc}")
-        return _vote.Outcome(False, missing=f"the c10d store did not answer: {exc}",
-                             in_doubt=True), record
+        text = str(exc) if str(exc).startswith("the c10d store") else \
+            f"the c10d store did not answer: {exc}"
+        return _vote.Outcome(False, missing=text, in_doubt=True), record
     except Exception as exc:  # noqa: BLE001 - our bug, or the store surprising us
         internal_error("vote", exc)
         rnd.abort_now(f"internal error: {exc}")

@@ -10,7 +10,7 @@ import re
 from typing import Optional
 
 from . import _reasons as _rec
-from .agreement.explain import _from_verdict, _shortfalls, describe
+from .agreement.explain import describe, from_verdict, shortfalls
 from .agreement.record import Record
 from .planning.plan import MiB
 
@@ -25,6 +25,11 @@ class VetoInfo:
     # bytes = plan + headroom - free (-1: not known); and whether this rank decided alone
     short: tuple = ()
     alone: bool = False
+    # the store did not answer: this rank cannot tell whether the group committed
+    doubt: bool = False
+    # who ended the round, in words, when no rank's own no explains it (another rank's
+    # deadline that found every record in by now, an interrupt): the headline's cause
+    lead: str = ""
 
 
 def local(message: str, reasons=()) -> VetoInfo:
@@ -45,14 +50,28 @@ def _missing_reason(outcome) -> int:
 
 def _advice(reasons: set) -> str:
     if reasons & {_rec.OUT_OF_MEMORY}:
-        return ("Free GPU memory on that rank (or lower FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB); "
-                "until then the non-fused all-reduce is used.")
+        return ("Free GPU memory on that rank (or lower FLASHINFER_SAFE_WORKSPACE_HEADROOM_MB) "
+                "and create the workspace again.")
     if reasons & {_rec.ARG_MISMATCH, _rec.RENDEZVOUS_GROUP}:
         return ("Call with the same arguments on every rank of the group, and pass the group "
                 "FlashInfer rendezvouses on (group=) where the release takes it.")
     if reasons & {_rec.CAPTURING}:
-        return "Create the workspace before CUDA graph capture; the non-fused all-reduce is used."
-    return "The non-fused all-reduce is used."
+        return "Create the workspace before CUDA graph capture."
+    if reasons & {_rec.ABSENT}:
+        return ("Every rank of the group must make the same call within the vote timeout "
+                "(FLASHINFER_SAFE_WORKSPACE_VOTE_TIMEOUT).")
+    if reasons & {_rec.PROBE_ERROR}:
+        return "The probe's CUDA error is above; docs/when-it-vetoes.md says what each means."
+    return "docs/when-it-vetoes.md says what each reason means."
+
+
+def _dedupe(details: list) -> list:
+    seen, out = set(), []
+    for d in details:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
 
 
 def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
@@ -60,56 +79,68 @@ def veto(outcome, members, plan, record: Optional[Record]) -> VetoInfo:
     register that explains its abort (its decider read the records, or said no itself)
     gives every rank the same details; the rest is this rank's own account."""
     ranks = list(members.ranks) if members is not None else []
-    need = f" (plan {plan.peak_bytes / MiB:.1f} MiB per rank)" if plan is not None else ""
-    head = f"FlashInfer all-reduce workspace not created on any of ranks {ranks}{need}: "
+    need = f" (plan {_size(plan.peak_bytes)} per rank)" if plan is not None else ""
+    head = (f"FlashInfer all-reduce workspace not created on this rank (ranks {ranks}){need}: "
+            if outcome.in_doubt else
+            f"FlashInfer all-reduce workspace not created on any of ranks {ranks}{need}: ")
     verdict, records, reg = outcome.verdict, outcome.records, outcome.register
     details, named, reasons = [], [], set()
-    short = ()
+    short, lead = (), ""
+    own = shortfalls(None, [], record)  # this rank's own no, when it lacked memory
     used = reg is not None and not reg.commit and bool(reg.details)
     if used:
         details, named, reasons = list(reg.details), list(reg.named), set(reg.reasons)
-        short = reg.short
+        short = tuple(reg.short) + tuple(s for s in own if s[0] not in {x[0] for x in reg.short})
         if record is not None and not record.is_yes() and record.rank not in reg.named:
             for cand in record.candidates.values():  # this rank's own no too, beside the
                 details.append(describe(record, cand))  # one that decided
                 reasons.add(cand.reason)
             named.append(record.rank)
-        own = record.call if record is not None else ""
-        if reg.call and own and reg.call != own:  # the round's other rank(s) made another call
+        call = record.call if record is not None else ""
+        if reg.call and call and reg.call != call:  # the round's other rank(s) made another call
             details.append("this rank made another call at this position: the group's "
                            "calls are out of step or their arguments differ")
             reasons.add(_rec.ARG_MISMATCH)
     elif verdict is not None and records and not verdict.commit:
-        _from_verdict(verdict, records, ranks, details, named, reasons)
+        from_verdict(verdict, records, ranks, details, named, reasons)
+        short = shortfalls(verdict, records, None)
     elif record is not None and not record.is_yes():
         for cand in record.candidates.values():
             details.append(describe(record, cand))
             reasons.add(cand.reason)
         named.append(record.rank)
+        short = own
     register_why = (reg.why if reg is not None else "") or ""
     if outcome.missing:
         reasons.add(_missing_reason(outcome))
         absent = list(outcome.absent)
-        lead = (f"ranks {absent} did not answer in time" if absent
-                else "the round did not complete")
-        details.append(f"{lead}; detail: {outcome.missing}")
+        lead_text = (f"ranks {absent} did not answer in time" if absent
+                     else "the round did not complete")
+        details.append(f"{lead_text}; detail: {outcome.missing}")
         named.extend(absent)
     elif not details or (reg is not None and not reg.commit and not used and record is not None
                          and reg.by is not None and reg.by != record.rank):
         # the register another rank wrote without an explanation (its deadline, an
         # interrupt) decided: say so, beside this rank's own no
         details.append(f"the group aborted: {register_why or 'no reason given'}")
-        reasons.update(set(reg.reasons) if reg is not None and reg.reasons else {_rec.ABORTED})
-    message = head + "; ".join(details) + ". " + _advice(reasons)
-    return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})), tuple(details),
-                    tuple(sorted(reasons)), short=short or _shortfalls(outcome, record))
+        codes = set(reg.reasons) if reg is not None else set()
+        if codes and codes != {_rec.ABSENT}:
+            reasons.update(codes)
+        else:  # an interrupt, or a deadline that finds every record in by now (else the
+            reasons.add(_rec.ABORTED)  # driver named the absent ranks: ``missing``)
+            if register_why.startswith("rank "):
+                lead = register_why
+    message = head + "; ".join(_dedupe(details)).rstrip(". ") + ". " + _advice(reasons)
+    return VetoInfo(message, tuple(sorted({r for r in named if isinstance(r, int)})),
+                    tuple(_dedupe(details)), tuple(sorted(reasons)), short=short,
+                    doubt=bool(outcome.in_doubt), lead=lead)
 
 
 def verdict_reasons(verdict, records) -> tuple:
     """The reason codes of a decided abort (what its register carries to late ranks)."""
     reasons: set = set()
     try:
-        _from_verdict(verdict, records, [], [], [], reasons)
+        from_verdict(verdict, records, [], [], [], reasons)
     except Exception:  # noqa: BLE001 - only for the message: late ranks then say ABORTED
         return ()
     return tuple(sorted(reasons))
@@ -136,11 +167,15 @@ def _rank(r: int) -> str:
 def _ranks(ranks) -> str:
     if len(ranks) == 1:
         return _rank(ranks[0])
+    if any(r < 0 for r in ranks):  # -1: torch.distributed not initialised
+        return " and ".join(_rank(r) for r in ranks)
     ranks = [str(r) for r in ranks]
     return f"ranks {', '.join(ranks[:-1])} and {ranks[-1]}"
 
 
 def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} bytes"
     if n < MiB:
         return f"{n / 1024:.0f} KiB"
     if n >= 1 << 30:
@@ -166,7 +201,11 @@ def cause(info: VetoInfo) -> str:
     if info.alone:
         return (f"this rank vetoed the call on its own ({info.details[0][:160]})" if info.details
                 else f"this rank vetoed the call on its own ({_words(sorted(reasons))})")
+    if info.doubt and not info.ranks:
+        return "the c10d store did not answer this rank in time"
     who = _ranks(info.ranks) if info.ranks else "a rank"
+    if info.lead and not info.ranks:
+        return info.lead
     if _rec.ARG_MISMATCH in reasons:
         names = [m.group(1) for m in map(_DIFFERS.match, info.details) if m]
         return (f"{who} called with different arguments"
@@ -185,6 +224,10 @@ def headline(info: VetoInfo, then: str = "") -> str:
         text = "a rank said no"
     if info.alone:
         return (f"{text}, so this rank did not create FlashInfer's all-reduce workspace; "
+                f"{then or 'it takes the non-fused all-reduce path'}.")
+    if getattr(info, "doubt", False):  # it cannot tell what its peers did
+        return (f"{text}, so this rank did not create FlashInfer's all-reduce workspace and "
+                "cannot tell whether its peers did (in doubt); "
                 f"{then or 'it takes the non-fused all-reduce path'}.")
     return (f"{text}, so no rank created FlashInfer's all-reduce workspace; "
             f"{then or 'every rank takes the non-fused all-reduce path'}.")

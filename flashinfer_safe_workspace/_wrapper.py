@@ -46,7 +46,7 @@ def make_wrapper(entry: str):
             else:
                 decision = _decide.Decision("veto", "internal error", _veto.local(
                     f"internal error in flashinfer_safe_workspace: {type(exc).__name__}: {exc}",
-                    (_reasons.INTERNAL_ERROR,)))
+                    (_reasons.INTERNAL_ERROR,)), logged=True)
         if decision.action == "veto":
             return _refuse(entry, settings, decision.veto, decision)
         token = _inside.set(True)

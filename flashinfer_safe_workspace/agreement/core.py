@@ -332,3 +332,9 @@ def _parse(blob) -> tuple:
         heads.append((pos, parts[1] if len(parts) == 3 else "?", parts[-1]))
         payloads.append(payload)
     return heads, payloads
+
+
+def arrived(blob) -> set:
+    """The positions whose record is in a round's records ``blob`` (its ``r`` key)."""
+    heads, _ = _parse(blob)
+    return {pos for pos, _, _ in heads if pos >= 0}

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Optional
 
-from .. import _points
+from .. import _points, _reasons as _rec
 from . import core as _core, explain as _explain, positions as _positions, store as _store
 from .record import Record, Register
 from .vote import GRACE_S, Outcome, codec_for, members_key
@@ -233,7 +233,7 @@ class StoreVote:
 
     def _outcome(self, core: _core.Core, record: Record) -> Outcome:
         if core.answer is None or core.answer == _core.DOUBT:
-            why = (f"the c10d store did not answer in time: {_store.short(self._error)}"
+            why = (f"the c10d store did not answer in time ({_store.short(self._error)})"
                    if self._error is not None else
                    "the c10d store did not answer this rank's last write in time")
             return Outcome(False, missing=why, in_doubt=True, key=self.prefix)
@@ -245,23 +245,32 @@ class StoreVote:
                 out.records, out.verdict = records, self._seen.get("verdict")
         if not reg.commit and core.decider and core.proposed and \
                 core.register == core.setup.texts[1]:
-            absent = self._absent()  # its own deadline decided: who never came
+            absent = self._absent(reg.by)  # its own deadline decided: who never came
             waited = time.monotonic() - (self.deadline - self.vote_timeout)
             out.absent = tuple(absent)
             out.missing = (f"timed out after {waited:.1f} s waiting for ranks {absent}"
                            if absent else "timed out")
+        elif not reg.commit and not reg.complete and not reg.details and reg.by != self.rank \
+                and _rec.ABSENT in reg.reasons:  # another rank's deadline decided: who is
+            absent = self._absent(reg.by)  # still not in (none: they came after it)
+            if absent:
+                out.absent = tuple(absent)
+                out.missing = f"{reg.why}; ranks {absent} had not voted"
         return out
 
-    def _absent(self) -> list:
-        """The ranks whose record is not in the round (for the message only)."""
-        key = self.prefix + "r"
+    def _absent(self, by) -> list:
+        """The ranks whose record is not in the round, less this rank and ``by`` (the
+        register's writer), which both came (for the message only; [] when not known)."""
+        r, d = self.prefix + "r", self.prefix + "d"
         try:
-            raw = self._lines["main"].call(lambda s: _get_if(s, key), time.monotonic() + 0.5)
+            raw, reg = self._lines["main"].call(lambda s: (_get_if(s, r), _get_if(s, d)),
+                                                time.monotonic() + 0.5)
         except Exception:  # noqa: BLE001 - only for the message
             return []
-        heads, _ = _core._parse(raw or b"")
-        there = {pos for pos, _, _ in heads}
-        return [r for i, r in enumerate(self.ranks) if i not in there]
+        if reg is None:  # the round's keys went (every rank counted out): not known
+            return []
+        there = _core.arrived(raw or b"")
+        return [k for i, k in enumerate(self.ranks) if i not in there and k not in (self.rank, by)]
 
 
 def post_skip(ranks: tuple, me: int, ident: str, position: int, text: str, vote_timeout: float,

@@ -5,8 +5,6 @@ renders it)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from .. import _reasons as _rec
 from .record import ABORT, NO, Candidate, Record, Register
 from ..planning.plan import MiB
@@ -46,10 +44,10 @@ def decided(verdict, records: list, by: int, call: str) -> Register:
         return Register("pass", by, verdict.why, call=call, complete=True)
     details, named, reasons = [], [], set()
     try:
-        _from_verdict(verdict, records, [], details, named, reasons)
+        from_verdict(verdict, records, [], details, named, reasons)
     except Exception:  # noqa: BLE001 - only for the message: the abort stands
         details = [verdict.why]
-    short = _shortfalls(_Seen(verdict, records), None)
+    short = shortfalls(verdict, records, None)
     return Register(ABORT, by, verdict.why, check=verdict.check, reasons=tuple(sorted(reasons)),
                     details=tuple(details), named=tuple(sorted({r for r in named
                                                                 if isinstance(r, int)})),
@@ -64,25 +62,18 @@ def said_no(record: Record) -> Register:
     return Register(ABORT, record.rank, why, check=record.failed_check(),
                     reasons=record_reasons(record), details=tuple(details),
                     named=(record.rank,) if isinstance(record.rank, int) else (),
-                    short=_shortfalls(_Seen(None, []), record), call=record.call)
+                    short=shortfalls(None, [], record), call=record.call)
 
 
 def timed_out(rank: int, vote_timeout: float, call: str) -> Register:
-    """The register a rank writes at its deadline (every rank that follows it says the
-    group aborted; the writer names the ranks that never arrived)."""
+    """The register a rank writes at its deadline: ``ABSENT`` (every rank that reads it
+    names the ranks whose record is still not in: the driver reads them)."""
     return Register(ABORT, rank, f"rank {rank} reached its deadline ({vote_timeout:g} s) before "
-                    "every rank's yes was in", call=call)
+                    "every rank's yes was in", reasons=(_rec.ABSENT,), call=call)
 
 
 def interrupted(rank: int, why: str, call: str) -> Register:
     return Register(ABORT, rank, f"rank {rank}: {why}", call=call)
-
-
-@dataclasses.dataclass
-class _Seen:  # what ``_shortfalls`` reads of an outcome
-    verdict: object
-    records: list
-    register: object = None
 
 
 def record_reasons(record: Record) -> tuple:
@@ -91,7 +82,7 @@ def record_reasons(record: Record) -> tuple:
                         or {_rec.INTERNAL_ERROR}))
 
 
-def _from_verdict(verdict, records, ranks, details: list, named: list, reasons: set) -> None:
+def from_verdict(verdict, records, ranks, details: list, named: list, reasons: set) -> None:
     """What a decided abort says: argument mismatches, failed cross-rank checks, every
     rank's no, differing plans (appended to ``details``, ``named`` and ``reasons``)."""
     def rank_of(pos):
@@ -147,12 +138,12 @@ def _shortfall(cand: Candidate) -> int:
     return max(cand.peak_bytes + cand.headroom_bytes - cand.free_bytes, -1)
 
 
-def _shortfalls(outcome, record) -> tuple:
-    """``VetoInfo.short`` of a vetoed round: every record that said no for lack of memory;
-    a rank that has only the decided abort's text (it followed it, or did not read every
-    record) gets the ranks and devices it names, without the figure."""
+def shortfalls(verdict, records, record) -> tuple:
+    """``VetoInfo.short`` of a vetoed round: (rank, device, bytes short) of every record
+    that said no for lack of memory; from the decided ``verdict`` over ``records`` when
+    this rank read them, else from ``record`` (this rank's own no)."""
     try:
-        verdict, records, pairs = outcome.verdict, outcome.records, []
+        pairs = []
         if verdict is not None and records and not verdict.commit:
             pairs = [(records[p], records[p].candidates.get(verdict.candidate))
                      for p in verdict.no + verdict.passing]

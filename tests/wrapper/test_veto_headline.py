@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 from flashinfer_safe_workspace import _reasons as R
 from flashinfer_safe_workspace import _veto as explain
+from flashinfer_safe_workspace.agreement.explain import said_no, shortfalls, timed_out
 from flashinfer_safe_workspace.agreement.record import NO, Candidate, Record
+from flashinfer_safe_workspace.agreement.vote import Outcome
 from flashinfer_safe_workspace.planning.probe import CUDA_ERROR_OUT_OF_MEMORY
 
 MiB = 1 << 20
@@ -76,17 +78,61 @@ def _oom(rank, device, free, peak=100 * MiB, headroom=64 * MiB):
     return Record(rank=rank, pid=1, position=rank, call="c", args={}, candidates={"trtllm": cand})
 
 
+def _members(ranks):
+    return SimpleNamespace(ranks=tuple(ranks))
+
+
 def test_shortfall_of_a_rank_s_own_no_and_of_a_decided_abort_it_followed():
     own = _oom(1, 1, free=120 * MiB)
-    outcome = SimpleNamespace(verdict=None, records=None, register=None)
-    assert explain._shortfalls(outcome, own) == ((1, 1, 44 * MiB),)
-    # a rank that followed an abort decided before it arrived, or did not read every record,
-    # has only the register's text, which describe() wrote on the rank that said no: the
-    # rank and device, no figure
-    why = "; ".join(explain.describe(own, c) for c in own.candidates.values())
-    followed = SimpleNamespace(verdict=None, records=None,
-                               register=SimpleNamespace(why=why, commit=False))
-    assert explain._shortfalls(followed, None) == ((1, 1, -1),)
-    assert explain.headline(info(reasons={R.OUT_OF_MEMORY},
-                                 short=explain._shortfalls(followed, None))).startswith(
-        "rank 1 ran out of GPU memory on cuda:1, so no rank created")
+    assert shortfalls(None, [], own) == ((1, 1, 44 * MiB),)
+    # a rank that followed the abort rank 1 wrote (it arrived after the decision, or did
+    # not read every record) reads the figure from the register, which carries it
+    reg = said_no(own)
+    followed = Outcome(False, register=reg)
+    got = explain.veto(followed, _members((0, 1)), None, None)
+    assert got.short == ((1, 1, 44 * MiB),)
+    assert explain.headline(got) == "rank 1 was 44 MiB short on cuda:1" + EVERY
+
+
+def test_a_rank_s_own_shortfall_joins_the_one_that_decided():
+    reg = said_no(_oom(1, 1, free=120 * MiB))
+    mine = _oom(0, 0, free=100 * MiB)  # this rank lacked memory too, but rank 1 wrote first
+    got = explain.veto(Outcome(False, register=reg), _members((0, 1)), None, mine)
+    assert got.short == ((1, 1, 44 * MiB), (0, 0, 64 * MiB))
+    assert explain.headline(got).startswith(
+        "rank 1 was 44 MiB short on cuda:1 and rank 0 was 64 MiB short on cuda:0, so no rank")
+
+
+def test_a_follower_of_another_rank_s_deadline_names_the_ranks_not_in():
+    reg = timed_out(0, 30, "c")
+    # the driver read the records: rank 2's is not in
+    late = Outcome(False, register=reg, absent=(2,),
+                   missing=f"{reg.why}; ranks [2] had not voted")
+    got = explain.veto(late, _members((0, 1, 2)), None, None)
+    assert got.ranks == (2,) and R.ABSENT in got.reasons
+    assert explain.headline(got) == "rank 2 did not answer within the vote timeout" + EVERY
+    # every record is in by now (the late rank came after the deadline): no rank is
+    # blamed for a no it did not say; the sentence says whose deadline ended the round
+    got = explain.veto(Outcome(False, register=reg), _members((0, 1, 2)), None, None)
+    assert got.ranks == () and got.reasons == (R.ABORTED,)
+    assert explain.headline(got) == (
+        "rank 0 reached its deadline (30 s) before every rank's yes was in" + EVERY)
+    assert "said no" not in explain.headline(got)
+
+
+def test_in_doubt_does_not_claim_what_the_peers_did():
+    doubt = Outcome(False, missing="the c10d store did not answer in time", in_doubt=True)
+    got = explain.veto(doubt, _members((0, 1)), None, None)
+    text = explain.headline(got)
+    assert "no rank created" not in text and "cannot tell whether its peers did" in text
+    assert got.message.startswith("FlashInfer all-reduce workspace not created on this rank")
+    assert "did not answer: the c10d store did not answer" not in got.message
+
+
+def test_messages_have_no_doubled_stop_and_tiny_sizes_have_a_figure():
+    got = explain.veto(Outcome(False, register=said_no(_oom(1, 1, free=120 * MiB))),
+                       _members((0, 1)), SimpleNamespace(peak_bytes=4096), None)
+    assert ".." not in got.message and "(plan 4 KiB per rank)" in got.message
+    assert explain._size(12) == "12 bytes"
+    assert explain.headline(info((-1, 0), reasons={R.CAPTURING})).startswith(
+        "this rank and rank 0 was called")

@@ -19,6 +19,14 @@ PREFIX = "fiws/0/4-5-6/3/"
 LONG = 30.0
 
 
+@pytest.fixture(autouse=True)
+def _roomy_grace(monkeypatch):
+    # the one look at a bound already passed gets GRACE_S (0.2 s) to be answered; a loaded
+    # CI machine may take longer to start the line's thread: the logic under test is the
+    # one look, not the allowance
+    monkeypatch.setattr(_exchange, "GRACE_S", 10.0)
+
+
 @pytest.fixture
 def hashstore():
     import torch.distributed as dist
