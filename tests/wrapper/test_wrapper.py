@@ -204,3 +204,41 @@ def test_graph_capture_consults_the_veto_cache_first(monkeypatch):
     # an undecided call during capture is vetoed (the capture check), FlashInfer not entered
     assert comm.create_allreduce_fusion_workspace(comm_backend=Solo(), **dict(args, hidden_dim=2048)) is None
     assert entered == []
+
+
+@pytest.mark.parametrize("where", [
+    pytest.param("decide", marks=pytest.mark.internal_errors("decide")),
+    pytest.param("group", marks=pytest.mark.internal_errors("group"))])
+def test_a_veto_this_rank_decides_alone_logs_its_line_and_warning(monkeypatch, caplog, where):
+    """A veto decided on this rank alone (our own failure: an internal error in the
+    decision, or no rank set) logs the decision line and the veto WARNING like any veto,
+    with the sentence that says this rank vetoed on its own, and the page to read."""
+    import logging
+
+    from flashinfer_safe_workspace import _decide
+    from flashinfer_safe_workspace.agreement import group as _group
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    if where == "decide":
+        monkeypatch.setattr(_decide, "decide", boom)
+    else:
+        monkeypatch.setattr(_group, "members_for", boom)
+    _probe.set_prober(SimulatedDevice(80 << 30))
+    fiws.install(on_veto="none")
+    try:
+        with caplog.at_level(logging.INFO, logger="flashinfer_safe_workspace"):
+            out = comm.create_allreduce_fusion_workspace(
+                backend="trtllm", world_size=1, rank=0, max_token_num=16, hidden_dim=64,
+                dtype=torch.float16)
+    finally:
+        fiws.uninstall()
+    assert out is None
+    lines = _log.parse_decision_lines(caplog.text)
+    assert [d["outcome"] for d in lines] == ["veto"]
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING
+                  and getattr(r, "fiws_event", "") == "veto"]
+    text = warning.getMessage()
+    assert "this rank vetoed the call on its own" in text and "injected" in text
+    assert text.endswith("What to do: docs/when-it-vetoes.md")
