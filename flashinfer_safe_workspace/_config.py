@@ -42,7 +42,8 @@ def _number(kind: Callable[[str], Any], minimum: float, allow_zero: bool = True,
     def parse(text: str):
         what = "a whole number" if kind is int else "a number"
         try:
-            if not text.strip().isascii():  # int() and float() also read '𝟠' and '٨'
+            # int() and float() also read '𝟠', '٨' and '1_0'
+            if not text.strip().isascii() or "_" in text:
                 raise ValueError(text)
             value = kind(text.strip())
         except ValueError:
@@ -188,7 +189,7 @@ def read_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for name in env:
-        if name.startswith(PREFIX + "_") and name not in BY_NAME:
+        if name.startswith(PREFIX + "_") and name not in BY_NAME and name != DEMO_PARENT:
             _warn_unknown(name)
     for var in VARIABLES:
         raw = env.get(var.name)
@@ -229,6 +230,16 @@ def env_value(name: str) -> str | None:
 def flashinfer_confidential_compute_override() -> str | None:
     """FlashInfer's own CC override variable, read here so no other module reads the env."""
     return os.environ.get("FLASHINFER_CONFIDENTIAL_COMPUTE")
+
+
+# Not a setting: ``demo`` puts its own pid here for the ranks it starts, and ``_demo-rank``
+# runs only when this names its parent (a hand-run one would join a torchrun job's rendezvous).
+DEMO_PARENT = f"{PREFIX}_DEMO_PARENT"
+
+
+def demo_parent() -> str | None:
+    """The pid ``demo`` gave the rank it started (``DEMO_PARENT``), as text; None unset."""
+    return os.environ.get(DEMO_PARENT)
 
 
 def rendezvous() -> tuple[str | None, str | None]:

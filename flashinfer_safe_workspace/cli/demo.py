@@ -66,6 +66,9 @@ def _gpu_count() -> int:
 def _spawn(args) -> list:
     port = _free_port()
     env = dict(os.environ)
+    from .. import _config
+
+    env[_config.DEMO_PARENT] = str(os.getpid())  # only this process's children run a rank
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     procs = []
@@ -164,9 +167,8 @@ def _verdict(rows, args) -> str:
     if no and yes:
         return f"SPLIT: {_who(yes)} voted yes, {_who(no)} no; the shim exists to prevent this"
     if no:
-        who = "every rank" if len(no) == len(rows) else _who(no)
-        return (f"{_cause(rows, args)} -> no rank created the workspace; {who} took the "
-                f"non-fused path{took}")
+        return (f"{_cause(rows, args)} -> no rank created the workspace; "
+                f"{_did([r for r in voted if r['vote'] == 'no'], len(rows))}{took}")
     if yes:
         who = "every rank" if len(yes) == len(rows) else _who(yes)
         if all(str(r["outcome"]).startswith("created") for r in voted):
@@ -177,21 +179,39 @@ def _verdict(rows, args) -> str:
     return "no rank reported a decision (see the lines above)"
 
 
+def _did(rows, of: int) -> str:
+    """What the ranks that were told no did with the answer, in their order: the ``None``
+    an engine takes its non-fused path on, or the exception (``--on-veto raise``)."""
+    said: dict = {}
+    for row in rows:
+        raised = "WorkspaceVetoed" in str(row.get("outcome", ""))
+        said.setdefault("raised WorkspaceVetoed" if raised else "took the non-fused path",
+                        []).append(row["rank"])
+    return ", ".join(("every rank" if len(ranks) == of else _who(ranks)) + " " + what
+                     for what, ranks in said.items())
+
+
 def _who(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+CAUSE_MAX = 80  # characters of the veto's own cause the verdict quotes, at most
+
+
 def _cause(rows, args) -> str:
-    """Why the vote said no, from the ranks' decision lines: who was short of memory and by
-    how much (plan + headroom - free), who died or was late, else the reason codes."""
-    short = [(r["rank"], r["plan_bytes"] + r["headroom_bytes"] - r["free_bytes"]) for r in rows
-             if "OUT_OF_MEMORY" in (r.get("reasons") or []) and r.get("probe") == "no"
-             and r.get("plan_bytes", -1) >= 0 and r.get("free_bytes", -1) >= 0]
-    if len(short) > 2:
-        return (f"{_who([r for r, _ in short])} were short of GPU memory (up to "
-                f"{max(b for _, b in short) / MiB:.0f} MiB)")
-    if short:
-        return " and ".join(f"rank {r} was {b / MiB:.0f} MiB short" for r, b in short)
+    """Why the vote said no: for memory, who was short and by how much as the veto itself
+    says it (its WARNING's first sentence, ``fiws_summary``: the figure is the failing
+    candidate's plan + headroom - free, which for ``backend=auto`` need not be the plan on
+    the decision line); who died or was late; else the reason codes."""
+    if any("OUT_OF_MEMORY" in (r.get("reasons") or []) for r in rows):
+        causes = [str(r["summary"]).split(", so ", 1)[0] for r in rows
+                  if ", so " in str(r.get("summary") or "")]
+        cause = max(causes, key=lambda c: " short" in c, default="")  # one with its figure
+        if cause and len(cause) <= CAUSE_MAX:
+            return cause
+        starved = [r["rank"] for r in rows if r.get("probe") == "no"] or [
+            r["rank"] for r in rows if "OUT_OF_MEMORY" in (r.get("reasons") or [])]
+        return f"{_who(starved)} ran out of GPU memory"  # the reason above says how far
     if args.die_rank is not None:
         return f"rank {args.die_rank} exited before the vote"
     if args.slow_rank is not None:
@@ -234,7 +254,7 @@ def rank_main(args) -> int:
     heard.close()
     row = {"rank": args.rank, "device_kind": kind, "outcome": outcome,
            "decision_ms": decision_ms, "headroom_bytes": headroom_bytes,
-           "reason": heard.veto or reason, "rejected": rejected}
+           "reason": heard.veto or reason, "summary": heard.summary, "rejected": rejected}
     line = heard.decision()
     if line is not None:  # the decision line's fields; "outcome" stays what the call gave
         row.update({k: v for k, v in line.items() if k != "outcome"})
@@ -348,7 +368,7 @@ class _Heard(logging.Handler):
         super().__init__(logging.INFO)
         from .._log import logger
 
-        self.logger, self.lines, self.veto = logger, [], ""
+        self.logger, self.lines, self.veto, self.summary = logger, [], "", ""
         self.level_before = logger.level
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
@@ -360,6 +380,7 @@ class _Heard(logging.Handler):
             self.lines.append(record.getMessage())
         elif event == "veto":
             self.veto = str(getattr(record, "fiws_message", ""))
+            self.summary = str(getattr(record, "fiws_summary", ""))
 
     def close(self) -> None:
         self.logger.removeHandler(self)

@@ -238,12 +238,36 @@ def doctor_report(import_flashinfer: bool = True) -> dict:
                                                 driver_error=report["cuda"]["error"])
     report["vetoes_every_call"] = _preflight.vetoes_every_call(
         report["checks"], report["flashinfer"], settings, report["cuda"]["error"])
+    # UNKNOWN_VERSION=pass-through with a release not read: no veto, no protection either
+    report["unprotected"] = _preflight.unprotected(report["flashinfer"], settings)
+    report["hidden_by_dash_s"] = _hidden_by_dash_s(report)
+    report["cannot_tell"] = ""
+    if (report["vetoes_every_call"] and "cuda-python" in report["hidden_by_dash_s"]
+            and report["checks"].get("facts_error")
+            and not _preflight.version_vetoes(report["flashinfer"], settings)):
+        # the facts are unread only because -S hid the driver bindings: not a known veto
+        report["vetoes_every_call"] = []
+        report["cannot_tell"] = (
+            "it cannot be told whether a workspace creation here can pass: cuda-python's "
+            "driver bindings, which read this rank's facts, are not on this sys.path "
+            "(site-packages is not searched, above)")
     report["waiting_for_flashinfer"] = _watching()
     report["active"] = bool(_patch.is_active()) or report["waiting_for_flashinfer"]
     # pth / start / plugin:vllm / plugin:sglang / plugin:aphrodite / sitecustomize / install()
     report["activated_by"] = _bootstrap.activated_by() if report["active"] else None
     report["why"] = _why(report)
     return report
+
+
+def _hidden_by_dash_s(r: dict) -> list:
+    """What doctor looked for and did not find, under ``python -S`` only: site-packages is
+    not on ``sys.path`` there, so each may be installed there all the same."""
+    if r["pth"]["site_enabled"]:
+        return []
+    return [name for name, missing in (("wrapt", r["wrapt"]["version"] is None),
+                                       ("FlashInfer", r["flashinfer"]["version"] is None),
+                                       ("cuda-python", r["cuda"]["bindings"] is None))
+            if missing]
 
 
 def _why(r: dict) -> list:
@@ -269,7 +293,7 @@ def _why(r: dict) -> list:
     elif not env_on:
         lines.append(f"{var['name']}={var['value']!r} does not turn the shim on "
                      "(on: 1/true/yes/on)")
-    else:
+    elif r["pth"]["site_enabled"]:  # under -S the -S line below says why
         lines.append("the variable is on but the hooks are not registered: see the "
                      "warnings above (wrapt missing?)")
     pth = r["pth"]
@@ -277,7 +301,7 @@ def _why(r: dict) -> list:
     if not pth["site_enabled"]:  # the .pth may be installed fine: -S skips every one
         lines.append("python runs with -S (the site module is off): no .pth file runs and "
                      "site-packages is not on sys.path, so the variable cannot activate the "
-                     "shim here, and packages installed there show as not installed; run "
+                     "shim here, and what is installed there is not found; run "
                      "python without -S, or call flashinfer_safe_workspace.install() in code")
     elif not running:
         lines.append(f"no {PTH_NAME} in a site-packages directory: the variable alone will "
@@ -290,8 +314,13 @@ def _why(r: dict) -> list:
         lines.append("more than one .pth in site directories: harmless (the bootstrap runs "
                      "once) but suggests two installs")
     fi = r["flashinfer"]
+    hidden = r.get("hidden_by_dash_s") or []
+    if hidden:
+        lines.append(f"not found on this sys.path: {', '.join(hidden)}; site-packages is not "
+                     "searched (above), so whether they are installed there cannot be told")
     if fi["version"] is None:
-        lines.append("FlashInfer is not installed: nothing to wrap")
+        if "FlashInfer" not in hidden:
+            lines.append("FlashInfer is not installed: nothing to wrap")
     elif not fi["verified"]:
         lines.append(fi.get("note") or f"FlashInfer {fi['version']}: rules not verified")
     if fi.get("import_error"):
@@ -299,8 +328,10 @@ def _why(r: dict) -> list:
     elif r["active"] and fi["imported"] and not fi["wrapped"]:
         lines.append("active, flashinfer.comm imported, yet nothing is wrapped: this "
                      "FlashInfer has neither target function")
-    if r["wrapt"]["version"] is None:
+    if r["wrapt"]["version"] is None and "wrapt" not in hidden:
         lines.append("wrapt is not installed: the shim cannot hook FlashInfer")
+    if r.get("cannot_tell"):
+        lines.append(r["cannot_tell"])
     if r.get("vetoes_every_call"):
         lines.append(("every workspace creation here would be vetoed" if r["active"] else
                       "once turned on, every workspace creation here would be vetoed")
@@ -320,7 +351,9 @@ def format_doctor(r: dict) -> str:
         + (" (hooks registered at the first import of flashinfer)"
            if r.get("waiting_for_flashinfer") else "")
         + (", but every call here would be vetoed (below)"
-           if r["active"] and r.get("vetoes_every_call") else ""),
+           if r["active"] and r.get("vetoes_every_call") else "")
+        + (", but each call goes to FlashInfer unprotected (UNKNOWN_VERSION=pass-through, below)"
+           if r["active"] and r.get("unprotected") else ""),
         f"  {var['name']}: {var['value']!r} -> enabled={var['enabled']}",
     ]
     if r["pth"]["files"]:
@@ -329,14 +362,16 @@ def format_doctor(r: dict) -> str:
             out.append(f"  .pth: {entry['path']} ({where})"
                        + ("" if entry["ok"] else f" ({entry['problem']})"))
     else:
-        out.append(f"  .pth: not found ({PTH_NAME})")
+        out.append(f"  .pth: not found ({PTH_NAME})" + (
+            "" if r["pth"]["site_enabled"] else ": python -S does not search site-packages"))
     for path in r["pth"].get("start_files", []):
         out.append(f"  .start: {path} (Python 3.15+ runs it instead of the .pth line)")
     w = r["wrapt"]
-    out.append(f"  wrapt: {w['version'] or 'not installed'} (major {w['major']}, "
+    unseen = "not found (python -S)" if r.get("hidden_by_dash_s") else "not installed"
+    out.append(f"  wrapt: {w['version'] or unseen} (major {w['major']}, "
                f"imported {yes(w['imported'])})")
     rules = fi["rules"] or "-"
-    out.append(f"  FlashInfer: {fi['version'] or 'not installed'}, rules {rules}, "
+    out.append(f"  FlashInfer: {fi['version'] or unseen}, rules {rules}, "
                f"verified {yes(fi['verified'])} (newest mirrored {fi['newest_mirrored']})")
     if fi["wrapped"]:
         out.append("  wrapped now:")
@@ -345,7 +380,10 @@ def format_doctor(r: dict) -> str:
         out.append("  wrapped now: nothing" + ("" if fi["imported"] else
                                                 " (flashinfer.comm not imported)"))
     if cuda["error"]:  # said once, here
-        out.append(f"  CUDA: {cuda['error']} (the probe will vote no unless FAIL_OPEN)")
+        out.append(f"  CUDA: {cuda['error']} " + (
+            "(python -S: site-packages is not searched)"
+            if "cuda-python" in r.get("hidden_by_dash_s", []) else
+            "(the probe will vote no unless FAIL_OPEN)"))
     else:
         out.append(f"  CUDA: driver {cuda['driver_version']}, {cuda['device_count']} device(s) "
                    f"({cuda['bindings']})")
@@ -356,7 +394,7 @@ def format_doctor(r: dict) -> str:
     if r.get("checks"):
         from .preflight import format_checks
 
-        out += format_checks(r["checks"], cuda["error"])
+        out += format_checks(r["checks"], cuda["error"], r.get("unprotected", ""))
     out.append("  settings: " + ", ".join(f"{k}={v!r}" for k, v in r["settings"].items()))
     from ..audit import compare as _audit
     from .. import _caller
@@ -383,7 +421,8 @@ def _wrap(line: str) -> list:
 
 
 def run_doctor(args) -> int:
-    """Exit 0: active, and a call can pass here; 1: not active; 3: active, but every
+    """Exit 0: active, and a call can pass here (under ``UNKNOWN_VERSION=pass-through`` with
+    a release not read, unprotected: the report says so); 1: not active; 3: active, but every
     call here would be vetoed (the report says which check, per backend)."""
     import json
 

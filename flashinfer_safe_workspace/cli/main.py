@@ -14,6 +14,7 @@ Exit codes, the same for every command (``EXIT_CODES``):
     2  refused or cannot tell: an invalid argument (one line naming it), no rule for
        this release or these arguments, no usable CUDA driver (check), an internal error
     3  doctor only: the shim is active, but every call here would be vetoed (it names why)
+    130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from typing import Optional
 from .doctor import VETOES_ALL  # doctor only: active, but every call here would be vetoed
 
 YES, NO, CANNOT_TELL = 0, 1, 2
+INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2
 EXIT_CODES = {YES: "yes", NO: "no", CANNOT_TELL: "refused / cannot tell",
-              VETOES_ALL: "doctor: active, but every call would be vetoed"}
+              VETOES_ALL: "doctor: active, but every call would be vetoed",
+              INTERRUPTED: "interrupted (Ctrl-C)"}
 EPILOG = ("exit codes (every command): 0 yes (plan printed, fits, every rank answered, active); "
           "1 no (does not fit, a rank failed, not active); 2 refused or cannot tell (invalid "
-          "argument, no rule, no driver); 3 doctor: active, but every call would be vetoed")
+          "argument, no rule, no driver); 3 doctor: active, but every call would be vetoed; "
+          "130 interrupted (Ctrl-C)")
 INT_MAX = (1 << 31) - 1  # FlashInfer's sizes are C ints
 DEMO_MAX_RANKS = 64  # local processes; more would only exhaust the machine
 DEFAULT_SHAPE = {"world_size": 2, "max_token_num": 2048, "hidden_dim": 4096}
@@ -85,13 +89,27 @@ def _seconds(text: str) -> float:
     return value
 
 
+# PEP 440 that no FlashInfer release uses: a bare major ("1"), an epoch ("1!0.7.4")
+_BARE_MAJOR = re.compile(r"v?[0-9]+", re.ASCII)
+_EPOCH = re.compile(r"v?[0-9]+!(.*)", re.ASCII)
+
+
 def _version(text: str) -> str:
     """A FlashInfer release as the library reads one (``versions.is_version``: PEP 440,
     ASCII digits): 0.7.4, 0.7.2.post1, 0.7.2-1, 0.7.4rc1, 0.7.4+cu129. Whether the rules
-    were verified against it is ``plan``'s business, not the parser's."""
+    were verified against it is ``plan``'s business, not the parser's. PEP 440's bare major
+    (``1``) and epoch (``1!0.7.4``) are refused with their own reason: the parser that reads
+    the installed release reads neither, and no FlashInfer release is spelled so."""
     from ..planning.rules import versions
 
     value = text.strip()
+    epoch = _EPOCH.fullmatch(value)
+    if not versions.is_version(value) and (_BARE_MAJOR.fullmatch(value) or epoch and (
+            versions.is_version(epoch[1]) or _BARE_MAJOR.fullmatch(epoch[1]))):
+        raise argparse.ArgumentTypeError(
+            f"expected a FlashInfer release as major.minor[.micro]: {text!r} is PEP 440, but "
+            "no FlashInfer release has a bare major or an epoch, and the library's version "
+            "parser reads neither")
     if not versions.is_version(value):
         raise argparse.ArgumentTypeError(
             f"expected a FlashInfer release in PEP 440 spelling (such as 0.7.4, 0.7.2.post1 "
@@ -204,15 +222,19 @@ def _demo_rank_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _demo_rank_refusal() -> str:
-    """Why ``_demo-rank`` cannot run here: '' when it has the environment ``demo`` gives
-    each rank it starts (MASTER_ADDR, and MASTER_PORT a port number)."""
+    """Why ``_demo-rank`` cannot run here: '' when ``demo`` started this process (its pid in
+    ``DEMO_PARENT``, checked first: MASTER_ADDR and MASTER_PORT alone are any torchrun job's,
+    where a hand-run rank would wait in the rendezvous) with the rendezvous it gives each
+    rank (MASTER_ADDR, and MASTER_PORT a port number)."""
     from .. import _config
 
+    why = "an internal command of demo, which starts one per rank; run demo instead"
+    if _config.demo_parent() != str(os.getppid()):
+        return why
     addr, port = _config.rendezvous()
     if addr and port and re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536:
         return ""
-    return ("an internal command of demo, which starts one per rank with MASTER_ADDR and "
-            "MASTER_PORT set; run demo instead")
+    return why
 
 
 def _add_plan(sub) -> None:
@@ -293,7 +315,21 @@ def build_parser(prog: str = MODULE_PROG) -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="the report as JSON")
     doctor.add_argument("--no-import", action="store_true",
                         help="do not import flashinfer.comm (then nothing shows as wrapped)")
+    parser.commands = sub.choices  # name -> its parser, whose errors name the subcommand
     return parser
+
+
+def _parse(parser, argv: list):
+    """``parser.parse_args``, but an argument no parser knows is refused by the subcommand
+    it follows, so that the line names it (``… doctor: error: unrecognized arguments``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = getattr(parser, "commands", {}).get(args.command)
+        at = argv.index(args.command) if args.command in argv else len(argv)
+        after = extra[0] not in argv or len(argv) - 1 - argv[::-1].index(extra[0]) > at
+        (command if command is not None and after else parser).error(
+            "unrecognized arguments: " + " ".join(extra))
+    return args
 
 
 def _refusal(args) -> str:
@@ -337,7 +373,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         args.command = "_demo-rank"
     else:
         parser = build_parser(prog)
-        args = parser.parse_args(argv)  # invalid values: one line, exit 2
+        args = _parse(parser, argv)  # invalid values: one line, exit 2
         why = _refusal(args)
         if why:
             parser.exit(CANNOT_TELL, f"{prog} {args.command}: error: {why} "
@@ -347,7 +383,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         return _dispatch(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - a bug of ours: one line, never a traceback
         print(f"{prog} {args.command}: internal error: {type(exc).__name__}: {exc} "
               "(please report it)", file=sys.stderr)

@@ -1,5 +1,6 @@
 """``doctor``'s preflight section: what every check answers on this host, and whether
-every creation call here would be vetoed (``doctor`` then exits 3 instead of 0).
+every creation call here would be vetoed (``doctor`` then exits 3 instead of 0), or goes to
+FlashInfer unprotected (``UNKNOWN_VERSION=pass-through``: no check runs at all).
 
 The checks run as a decision runs them (``checks.run_local``), for a two-rank call per
 backend; the cross-rank checks need peers and are listed with their local facts.
@@ -50,8 +51,11 @@ def checks_report(version, settings, backends=BACKENDS,
     return out
 
 
-def format_checks(rep: dict, driver_error: Optional[str] = None) -> list:
-    out = ["  preflight checks on this host (a 2-rank call, FlashInfer's release):"]
+def format_checks(rep: dict, driver_error: Optional[str] = None,
+                  unprotected: str = "") -> list:
+    out = ["  preflight checks on this host (a 2-rank call, FlashInfer's release"
+           + ("; none runs at run time: UNKNOWN_VERSION=pass-through" if unprotected else "")
+           + "):"]
     if rep.get("facts_error"):
         out.append("    facts: not read (no CUDA driver: see CUDA above)" if driver_error
                    else f"    facts: {rep['facts_error']}")
@@ -69,18 +73,42 @@ def _note(row: dict) -> str:
     return str(row.get("note") or "").replace(f"{FACTS_GONE}: ", "")
 
 
+def unprotected(flashinfer: dict, settings) -> str:
+    """Why each call here goes to FlashInfer unprotected, or ''. A release whose source was
+    not read under ``UNKNOWN_VERSION=pass-through``: a decision calls FlashInfer at once,
+    before any fact is read or any check runs (``_decide.decide``), so nothing here vetoes."""
+    if (flashinfer.get("rules") and not flashinfer.get("verified")
+            and settings.unknown_version == "pass-through"):
+        return (f"FlashInfer {flashinfer['version']} is not a release whose rules were "
+                "verified and UNKNOWN_VERSION=pass-through: no plan, no check, no probe, "
+                "no vote")
+    return ""
+
+
+def version_vetoes(flashinfer: dict, settings) -> str:
+    """Why ``UNKNOWN_VERSION=veto`` vetoes every call of this release, or ''."""
+    from .. import _reasons as R
+
+    if (flashinfer.get("rules") and not flashinfer.get("verified")
+            and settings.unknown_version == "veto"):
+        return (f"FlashInfer {flashinfer['version']} is not a release whose rules were "
+                f"verified and UNKNOWN_VERSION=veto ({R.NAMES[R.UNKNOWN_VERSION]})")
+    return ""
+
+
 def vetoes_every_call(rep: dict, flashinfer: dict, settings,
                       driver_error: Optional[str] = None) -> list:
     """Why every creation call here would be vetoed: one line per backend, or the one
     cause that vetoes them all (``driver_error``: said on the CUDA line, not again);
     ``[]`` when a call can pass. A check that fails for one backend only leaves the
-    other's calls: that is not every call."""
+    other's calls: that is not every call. Under ``unprotected`` no call is vetoed."""
     from .. import _reasons as R
 
-    if (flashinfer.get("rules") and not flashinfer.get("verified")
-            and settings.unknown_version == "veto"):
-        return [f"FlashInfer {flashinfer['version']} is not a release whose rules were "
-                f"verified and UNKNOWN_VERSION=veto ({R.NAMES[R.UNKNOWN_VERSION]})"]
+    if unprotected(flashinfer, settings):
+        return []
+    version = version_vetoes(flashinfer, settings)
+    if version:
+        return [version]
     if rep.get("facts_error") and not settings.fail_open:  # a decision stops there
         why = "no usable CUDA driver, see CUDA above" if driver_error else rep["facts_error"]
         return [f"this rank's facts cannot be read, a no before any check "

@@ -172,6 +172,40 @@ def test_a_refusal_is_one_line_with_a_pointer_to_help(line):
     assert "usage:" not in proc.stderr and "--help)" in lines[0]
 
 
+@pytest.mark.parametrize("line,prog", [
+    ("doctor --bogus", "doctor"), ("plan --flashinfer-version 0.7.4 extra", "plan"),
+    ("check --default-shape --simulate-free-mb 1 --nope", "check"), ("demo --zz", "demo"),
+    ("--bogus doctor", ""),  # before any subcommand: the top level's
+])
+def test_an_unknown_argument_is_refused_by_the_subcommand_it_follows(line, prog):
+    """Review of issue 30: ``doctor --bogus`` said "flashinfer-safe-workspace: error:" without
+    the subcommand, unlike every other refusal of a subcommand's arguments."""
+    proc = cli(line)
+    assert proc.returncode == REFUSED and proc.stdout == "", proc.stderr
+    name = f"python -m flashinfer_safe_workspace{' ' + prog if prog else ''}"
+    assert proc.stderr.splitlines() == [
+        f"{name}: error: unrecognized arguments: {line.split()[-1] if prog else '--bogus'} "
+        f"(see: {name} --help)"], proc.stderr
+
+
+def test_ctrl_c_exits_130_as_documented(monkeypatch):
+    """Review of issue 30: Ctrl-C exits 130, and docs/cli.md's exit-code table did not say
+    so (test_docs_cli_covers_… reads a row per EXIT_CODES entry)."""
+    import importlib
+    from pathlib import Path
+
+    _main = importlib.import_module("flashinfer_safe_workspace.cli.main")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_main, "_dispatch", interrupted)
+    code = _main.main(["plan", "--flashinfer-version", "0.7.4"])
+    assert code == 130 and code in _main.EXIT_CODES
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert re.search(r"^\| 130 \| .*Ctrl-C", doc, re.M)
+
+
 def test_an_unknown_command_lists_only_the_public_ones():
     """Issue 23, C4: the message listed the internal _demo-rank."""
     proc = cli("frobnicate")
@@ -291,6 +325,26 @@ def test_version_spellings_follow_the_library_s_parser(spelling, verified):
     assert versions.is_version(spelling) is (verified is not None)  # the parser's own answer
 
 
+@pytest.mark.parametrize("spelling", ["1", "v2", "1!0.7.4", "0!0.7.2.post1"])
+def test_pep_440_spellings_no_flashinfer_release_uses_are_refused_with_the_reason(spelling):
+    """Review of issue 30: ``1`` and ``1!0.7.4`` are valid PEP 440, yet were refused as "expected
+    a FlashInfer release in PEP 440 spelling". The library's parser (the one that reads the
+    installed release) reads neither, so they stay refused, with the true reason, and
+    docs/cli.md says why."""
+    from pathlib import Path
+    from flashinfer_safe_workspace.planning.rules import versions
+
+    assert not versions.is_version(spelling)  # what the refusal rests on
+    proc = cli_argv("plan", "--flashinfer-version", spelling)
+    assert proc.returncode == REFUSED and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert (f"argument --flashinfer-version: expected a FlashInfer release as "
+            f"major.minor[.micro]: {spelling!r} is PEP 440, but no FlashInfer release has a "
+            "bare major or an epoch") in line, line
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert "`1` and `1!0.7.4`" in doc
+
+
 def test_a_local_build_is_planned_as_unverified_as_docs_cli_says():
     proc = cli_argv("plan", "--flashinfer-version", "0.7.4+cu129")
     assert proc.returncode == 0, proc.stderr
@@ -372,6 +426,34 @@ def test_the_hidden_rank_command_fails_in_one_line(argv, env):
     assert "internal error" not in lines[0] and "Error" not in lines[0]
     assert lines[0].endswith("demo --help)")
     assert "_demo-rank" not in cli("--help").stdout
+
+
+@pytest.mark.parametrize("parent", [None, "1", "not a pid"])
+def test_a_hand_run_rank_with_a_torchrun_rendezvous_is_refused_at_once(parent):
+    """Review of issue 30, M7: with MASTER_ADDR and MASTER_PORT set, as in any torchrun job,
+    a hand-run ``_demo-rank`` joined the gloo rendezvous and waited there. It runs only
+    when demo started it (demo's pid in DEMO_PARENT, which demo alone sets); otherwise it
+    is refused in one line with exit 2 (bounded: a wait in the rendezvous fails the test)."""
+    from flashinfer_safe_workspace import _config
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    if parent is not None:  # exported by hand: not this process's parent
+        env[_config.DEMO_PARENT] = parent
+    proc = subprocess.run([sys.executable, "-m", "flashinfer_safe_workspace", "_demo-rank",
+                           "--rank", "0", "--world-size", "2", "--mode", "simulated"],
+                          env=clean_env(**env), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == REFUSED and proc.stdout == "", (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "_demo-rank: error: an internal command of demo" in lines[0]
+    assert lines[0].endswith("demo --help)"), lines[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_plan_says_the_shape_it_used_and_which_values_were_defaults():

@@ -396,3 +396,72 @@ def test_under_python_dash_s_the_advice_is_about_dash_s():
     assert len(dash_s) == 1, r["why"]
     assert "no .pth file runs" in dash_s[0] and "run python without -S" in dash_s[0]
     assert "install()" in dash_s[0]
+
+
+# --------------------------------------------------------------------------- issue 30's review
+
+
+def test_pass_through_with_a_release_not_read_is_unprotected_not_vetoed(tmp_path):
+    """Review of issue 30, W4: with UNKNOWN_VERSION=pass-through and a release not read, a
+    call goes to FlashInfer at once (``_decide.decide``: before any fact is read), yet doctor
+    said "every workspace creation here would be vetoed: ... NO_DEVICE" and exited 3. It
+    says the calls are unprotected and exits 0; a real two-rank call with 0.7.5 installed
+    reaches FlashInfer on both ranks (no veto) on this same machine."""
+    fake = _fake_flashinfer_release(tmp_path, "0.7.5")
+    env = {VAR: "1", f"{VAR}_UNKNOWN_VERSION": "pass-through",
+           "PYTHONPATH": os.pathsep.join(filter(None, [fake, os.environ.get("PYTHONPATH")]))}
+    rc, r = doctor_json("--no-import", **env)
+    assert r["active"] is True and r["flashinfer"]["verified"] is False
+    assert rc == 0 and r["vetoes_every_call"] == [], r["vetoes_every_call"]
+    assert "UNKNOWN_VERSION=pass-through" in r["unprotected"]
+    assert not any("vetoed" in line for line in r["why"]), r["why"]
+    text = " ".join(doctor("--no-import", **env).stdout.split())
+    assert "but each call goes to FlashInfer unprotected (UNKNOWN_VERSION=pass-through" in text
+    assert "would be vetoed" not in text, text
+    # the same setting with a verified release: the checks decide, as before
+    rc_read, r_read = doctor_json("--no-import", **{VAR: "1",
+                                                    f"{VAR}_UNKNOWN_VERSION": "pass-through"})
+    assert r_read["unprotected"] == "" and rc_read == active_code(r_read)
+
+    from harness import results, run_ranks
+
+    runs = run_ranks(2, """
+        import flashinfer, rank_lib, flashinfer_safe_workspace as fiws
+        flashinfer.__version__ = "0.7.5"  # the release the shim reads first
+        rank_lib.capture = rank_lib._Capture()
+        fiws.install(unknown_version="pass-through")  # the real CUDA prober, as doctor's
+        outcome, secs, err = rank_lib.create(rank=RANK)
+        result.update(outcome=outcome, reasons=rank_lib.last_reasons)
+    """, internal_errors=None)
+    assert all(x["outcome"] != "none" and "NO_DEVICE" not in (x["reasons"] or [])
+               for x in results(runs)), results(runs)
+
+
+def test_under_python_dash_s_doctor_says_what_it_cannot_know():
+    """Review of issue 30, M4: under ``python -S`` doctor still said "the hooks are not
+    registered: see the warnings above (wrapt missing?)", "FlashInfer is not installed",
+    "wrapt is not installed" and "every workspace creation here would be vetoed ...
+    NO_DEVICE": -S hides site-packages, so none of these is known. It names what it did not
+    find and that it cannot tell, and no veto."""
+    import flashinfer_safe_workspace
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(flashinfer_safe_workspace.__file__)))
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-S", "-m", "flashinfer_safe_workspace", "doctor", *extra],
+        env=_env(**{VAR: "1", "PYTHONPATH": home, "PYTHONSAFEPATH": "1"}),
+        capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run("--json")
+    r = json.loads(proc.stdout)
+    assert proc.returncode == 1 and r["pth"]["site_enabled"] is False, proc.stderr
+    assert r["hidden_by_dash_s"] == ["wrapt", "FlashInfer", "cuda-python"], r["hidden_by_dash_s"]
+    why = " ".join(r["why"])
+    for wrong in ("hooks are not registered", "FlashInfer is not installed",
+                  "wrapt is not installed", "would be vetoed"):
+        assert wrong not in why, r["why"]
+    assert r["vetoes_every_call"] == [] and "cannot be told" in r["cannot_tell"]
+    assert any(line.startswith("not found on this sys.path: wrapt, FlashInfer, cuda-python")
+               for line in r["why"]), r["why"]
+    text = " ".join(run().stdout.split())
+    assert "wrapt: not found (python -S)" in text and "FlashInfer: not found (python -S)" in text
+    assert "not installed" not in text and "would be vetoed" not in text, text
+    assert "will vote no" not in text, text

@@ -131,8 +131,9 @@ def test_the_text_report_ends_with_a_one_line_verdict():
     lines = proc.stdout.splitlines()
     last = lines[-1]
     assert last.startswith("verdict: ") and len(last) <= demo_cli.VERDICT_MAX, last
-    assert last.startswith("verdict: rank 0 was 82 MiB short -> no rank created the workspace; "
-                           "every rank took the non-fused path (all answered within "), last
+    assert last.startswith("verdict: rank 0 was 82 MiB short on cuda:0 -> no rank created the "
+                           "workspace; every rank took the non-fused path (all answered "
+                           "within "), last
     assert last.endswith(" ms)")
     ranks = [l for l in lines if l.startswith("  rank ")]
     assert len(ranks) == 2 and all("[simulated]" in l for l in ranks), proc.stdout
@@ -156,6 +157,10 @@ def test_a_pass_ends_with_its_verdict_too():
                "device" in last, last
 
 
+SUMMARY = ("rank 0 was 98 MiB short on cuda:0, so no rank created FlashInfer's all-reduce "
+           "workspace; every rank takes the non-fused all-reduce path.")
+
+
 def _row(rank, vote="no", **kw):
     row = {"rank": rank, "vote": vote, "outcome": "None (vetoed)", "decision_ms": 12.3,
            "reasons": ["OUT_OF_MEMORY"] if vote == "no" else [], "probe": "ok",
@@ -174,10 +179,29 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("rows,args,says", [
-    # the starved rank's own line gives how short it was: plan + headroom - free
+    # how short the starved rank was, as the veto itself says it (its WARNING's summary)
+    ([_row(0, probe="no", free_bytes=100 * MiB, summary=SUMMARY), _row(1, summary=SUMMARY)],
+     _args(), "verdict: rank 0 was 98 MiB short on cuda:0 -> no rank created the workspace; "
+     "every rank took the non-fused path (all answered within 12 ms)"),
+    # backend=auto: the decision line's plan (trtllm's) is not the failing candidate's; the
+    # veto's figure stands, never plan_bytes + headroom_bytes - free_bytes (here -314 MiB)
+    ([_row(0, summary=SUMMARY.replace("rank 0 was 98", "rank 1 was 64").replace(":0", ":1")),
+      _row(1, probe="no", free_bytes=512 * MiB)], _args(),
+     "verdict: rank 1 was 64 MiB short on cuda:1 -> no rank created the workspace; every rank "
+     "took the non-fused path (all answered within 12 ms)"),
+    # no veto summary heard: who was short, without a figure of the demo's own
     ([_row(0, probe="no", free_bytes=100 * MiB), _row(1)], _args(),
-     "verdict: rank 0 was 98 MiB short -> no rank created the workspace; every rank took the "
-     "non-fused path (all answered within 12 ms)"),
+     "verdict: rank 0 ran out of GPU memory -> no rank created the workspace; every rank took "
+     "the non-fused path (all answered within 12 ms)"),
+    # --on-veto raise: the ranks raised, and the verdict says so
+    ([_row(0, summary=SUMMARY, outcome="raised WorkspaceVetoed"),
+      _row(1, summary=SUMMARY, outcome="raised WorkspaceVetoed")], _args(),
+     "verdict: rank 0 was 98 MiB short on cuda:0 -> no rank created the workspace; every rank "
+     "raised WorkspaceVetoed (all answered within 12 ms)"),
+    ([_row(0, summary=SUMMARY, decision_ms=None),
+      _row(1, summary=SUMMARY, outcome="raised WorkspaceVetoed", decision_ms=None)], _args(),
+     "verdict: rank 0 was 98 MiB short on cuda:0 -> no rank created the workspace; rank 0 took "
+     "the non-fused path, rank 1 raised WorkspaceVetoed"),
     ([_row(0, reasons=["ABSENT"], decision_ms=10012.0),
       {"rank": 1, "outcome": "exited without a report", "returncode": 3}], _args(die_rank=1),
      "verdict: rank 1 exited before the vote -> no rank created the workspace; rank 0 took the "
@@ -204,9 +228,40 @@ def test_the_verdict_of_each_kind_of_run(rows, args, says):
 def test_a_long_verdict_stays_within_its_line():
     rows = [_row(r, probe="no", free_bytes=(100 + r) * MiB) for r in range(8)]
     text = demo_cli.verdict(rows, _args())
-    assert text.startswith("verdict: ranks 0, 1, 2, 3, 4, 5, 6, 7 were short of GPU memory (up "
-                           "to 98 MiB) -> no rank created"), text
+    assert text.startswith("verdict: ranks 0, 1, 2, 3, 4, 5, 6, 7 ran out of GPU memory -> no "
+                           "rank created"), text
+    long_summary = " and ".join(f"rank {r} was {98 - r} MiB short on cuda:{r}" for r in range(8))
+    rows = [_row(r, probe="no", summary=long_summary + ", so no rank created …") for r in range(8)]
+    assert demo_cli.verdict(rows, _args()) == text  # too long to quote: the same words
     assert len(text) <= demo_cli.VERDICT_MAX
     long_rows = [_row(r, reasons=[f"REASON_{r}_" + "X" * 30]) for r in range(8)]
     text = demo_cli.verdict(long_rows, _args())
     assert len(text) == demo_cli.VERDICT_MAX and text.endswith("..."), text
+
+
+def test_the_verdict_s_shortfall_is_the_veto_s_own_for_backend_auto():
+    """Review of issue 30, W5: ``--backend auto --starve-rank 1`` ended "rank 1 was -314 MiB
+    short": the verdict recomputed plan + headroom - free from the decision line, which
+    carries trtllm's plan, while the candidate that ran out of memory was mnnvl. The verdict
+    now quotes the veto's own figure: the demo leaves the starved rank --short-mb short of
+    the plan FlashInfer would allocate plus the headroom, so that is the figure."""
+    proc = _text_demo("--world-size", "2", "--backend", "auto", "--starve-rank", "1",
+                      "--short-mb", "82", "--vote-timeout", "20")
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("verdict: rank 1 was 82 MiB short on cuda:1 -> no rank created "
+                           "the workspace; "), last
+    assert len(last) <= demo_cli.VERDICT_MAX
+
+
+def test_the_verdict_says_the_ranks_raised_under_on_veto_raise():
+    """Review of issue 30, M3: ``--starve-rank 1 --on-veto raise`` said "every rank took the
+    non-fused path" although both ranks raised WorkspaceVetoed."""
+    proc = _text_demo("--world-size", "2", "--starve-rank", "1", "--on-veto", "raise",
+                      "--vote-timeout", "20")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [l for l in proc.stdout.splitlines() if l.startswith("  rank ")]
+    assert len(ranks) == 2 and all("-> raised WorkspaceVetoed in " in l for l in ranks), ranks
+    last = proc.stdout.splitlines()[-1]
+    assert "-> no rank created the workspace; every rank raised WorkspaceVetoed (" in last, last
+    assert "non-fused" not in last, last

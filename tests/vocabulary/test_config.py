@@ -63,6 +63,26 @@ def test_typed_values(name, raw, field, expected):
     assert getattr(settings, field) == expected
 
 
+@pytest.mark.parametrize("name,raw,field", [
+    ("VOTE_TIMEOUT", "1_000", "vote_timeout"), ("HEADROOM_MB", "1_0", "headroom_mb"),
+    ("CREATE_TIMEOUT", "3_0.5", "create_timeout"), ("VOTE_TIMEOUT", "\u0662", "vote_timeout"),
+])
+def test_numbers_take_the_digits_0_to_9_only(name, raw, field, caplog):
+    """Review of issue 30, W6: ``VOTE_TIMEOUT=1_000`` gave 1000.0 and ``HEADROOM_MB=1_0``
+    gave 10 without a word (int() and float() read underscores), while docs/cli.md says
+    digits only. A broken value gets one warning and the default."""
+    caplog.set_level(logging.WARNING, logger="flashinfer_safe_workspace")
+    _config._warned.clear()
+    var = f"FLASHINFER_SAFE_WORKSPACE_{name}"
+    for _ in range(2):
+        settings = _config.read_settings({var: raw})
+    assert getattr(settings, field) == _config.BY_NAME[var].default
+    assert [r.getMessage() for r in caplog.records] == [
+        f"flashinfer_safe_workspace: ignoring {var}={raw!r} (expected a "
+        f"{'whole number' if name == 'HEADROOM_MB' else 'number'} in the digits 0-9); using "
+        f"the default {_config.BY_NAME[var].default!r}"]
+
+
 def test_bad_value_warns_once(caplog):
     caplog.set_level(logging.WARNING, logger="flashinfer_safe_workspace")
     _config._warned.clear()
