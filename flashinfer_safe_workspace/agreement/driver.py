@@ -41,6 +41,7 @@ class StoreVote:
         self.ranks, self.me, self.ident, self.label = tuple(ranks), me, ident, label
         self.rank = self.ranks[me]
         self.deadline, self.vote_timeout, self.position = deadline, vote_timeout, position
+        self.grace = GRACE_S  # how long an operation past the deadline may take (abort, reads)
         self.args = args or {}
         self.mkey = members_key(self.ranks)
         self.epoch = _store.epoch()
@@ -85,7 +86,7 @@ class StoreVote:
         self._seen: dict = {}
         codec = codec_for(self.rank, record.call, self._seen)
         setup = _core.Setup(self.prefix, len(self.ranks), self.me, yes, record.call,
-                            record.to_json(), self.deadline, GRACE_S,
+                            record.to_json(), self.deadline, self.grace,
                             _texts(record, self.rank, self.vote_timeout, yes), codec)
         with self._lock:
             core, ops = _core.Core(setup).start()
@@ -216,7 +217,7 @@ class StoreVote:
         op = self._polled
         try:
             there = self._lines["main"].call(lambda s: s.check([op.key]),
-                                             self.deadline + GRACE_S)
+                                             self.deadline + self.grace)
         except _store.StoreTimeout:
             return
         except Exception as exc:  # noqa: BLE001 - the store failed: in doubt
@@ -264,7 +265,7 @@ class StoreVote:
         r, d = self.prefix + "r", self.prefix + "d"
         try:
             raw, reg = self._lines["main"].call(lambda s: (_get_if(s, r), _get_if(s, d)),
-                                                time.monotonic() + 0.5)
+                                                time.monotonic() + self.grace / 2)
         except Exception:  # noqa: BLE001 - only for the message
             return []
         if reg is None:  # the round's keys went (every rank counted out): not known
@@ -285,7 +286,7 @@ def post_skip(ranks: tuple, me: int, ident: str, position: int, text: str, vote_
                   group=group)
     v.prefix = _positions.prefix(group.generation, v.mkey, position)
     v._lines["main"] = _store.line(vote_timeout)
-    setup = _core.Setup(v.prefix, len(v.ranks), me, False, ident, "", v.deadline, GRACE_S,
+    setup = _core.Setup(v.prefix, len(v.ranks), me, False, ident, "", v.deadline, v.grace,
                         (text, text, text), codec_for(v.rank, ident))
     with v._lock:
         v._apply(*_core.Core(setup).skip())
