@@ -272,6 +272,25 @@ def test_past_the_grace_the_register_read_meanwhile_is_the_answer():
     assert (core.answer, core.register, ops) == (C.ABORT, "late|1", [OUT])
 
 
+def test_while_its_abort_is_unanswered_a_look_at_the_register_is_still_a_look():
+    """A ``check`` reply (True or False) is not the register's text: after a wake-up for
+    nothing, the look goes on (``get`` when it is there, ``wait`` when not), and without
+    the abort's reply the rank is in doubt, never answered with "True" or "False"."""
+    core, _ = counted_in(deadline=10.0, grace=1.0)
+    core, _ = core.on_reply(C.T_WAIT, None)
+    core, _ = core.on_reply(C.T_FETCH, None)  # woken for nothing
+    core, _ = core.on_reply(C.T_WAIT, None)  # woken again: it looks first (check)
+    core, _ = core.on_tick(10.0)  # its deadline: its abort is on its way
+    missing, ops = core.on_reply(C.T_FETCH, False)
+    assert ops == [op("wait", "d", tag=C.T_WAIT)] and missing.read is None
+    assert missing.on_tick(11.0)[0].answer == C.DOUBT
+    there, ops = core.on_reply(C.T_FETCH, True)
+    assert ops == [op("get", "d", tag=C.T_FETCH)] and there.read is None
+    there, ops = there.on_reply(C.T_FETCH, "commit")
+    assert ops == [] and there.answer is None  # kept until the abort's reply or the grace
+    assert there.on_tick(11.0)[0].answer == C.COMMIT
+
+
 def test_an_answered_rank_ignores_time():
     """A tick can reach a core after its answer (the driver's caller computed the wake-up
     before the reply came): it must write nothing more, above all no abort into a round
@@ -451,3 +470,28 @@ def test_the_g_th_group_on_a_store_reads_generation_g(size, before, generation):
         assert store.adds == 1 and group.start_generation(line, size) is None  # read once
     finally:
         line.close()
+
+
+def test_a_new_default_group_starts_anew_and_hands_over_what_it_left_behind(monkeypatch):
+    monkeypatch.setattr(P, "_replaced", [])
+    clean = P.Group()
+    clean.take("a")
+    monkeypatch.setattr(P, "GROUP", clean)
+    P._new_world()
+    fresh = P.current()
+    assert fresh is not clean and fresh.take("a") == 0 and P.replaced() == []
+    fresh.remember("a", "fiws/0/0,1/0/")
+    P._new_world()  # this one left a round behind: its keys go on the new group's line
+    assert P.current() is not fresh and P.current().take("a") == 0
+    assert P.replaced() == [fresh] and P.replaced() == []  # handed out once
+
+
+def test_a_forked_child_starts_with_no_group_and_nothing_to_hand_over(monkeypatch):
+    parent = P.Group()
+    parent.take("a")
+    parent.remember("a", "fiws/0/0,1/0/")
+    monkeypatch.setattr(P, "GROUP", parent)
+    monkeypatch.setattr(P, "_replaced", [P.Group()])
+    P._after_fork()
+    assert P.current() is not parent and P.current().take("a") == 0
+    assert P.current().leftovers() == [] and P.replaced() == []
