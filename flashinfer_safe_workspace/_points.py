@@ -11,6 +11,8 @@ The points (where they sit):
 - ``probe``: in the memory check, just before the probe allocates;
 - ``round.published``: a yes rank has published its record and counted itself in (on the
   store line's thread, before it looks at the count);
+- ``round.abort_sending``: a rank's own abort (its deadline, an interrupt) is about to be
+  sent (on the store line's thread);
 - ``round.before_register``: a rank's write of the register, or its read of it, has been
   answered by the store, and the answer is not handed to its decision yet;
 - ``round.voted``: a rank's vote is over (its outcome known; its count-out queued).

@@ -263,6 +263,31 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
         t=VOTE_TIMEOUT, reasons={0: ["ABSENT"], 1: (["ABORTED", "STEP_TIMEOUT"],
                                                     ["STEP_TIMEOUT", "STORE_ERROR"])}),
     Scenario(
+        "rank stopped (SIGSTOP) at its deadline before its abort is sent; its peer commits "
+        "meanwhile", 2,
+        _free() + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+if RANK == 1:  # at its deadline, its abort about to go: rank 0 stops it there
+    rank_lib.at("round.abort_sending", lambda: (mark("aborting-1"), time.sleep(0.5)))
+dist.barrier()
+if RANK == 0:  # arrives once rank 1 is stopped: it completes the count and commits
+    await_mark("aborting-1")
+    os.kill(peer_pid(1), signal.SIGSTOP)
+    result["stopped"] = rank_lib.wait_stopped(peer_pid(1))
+outcome, secs, err = rank_lib.create(rank=RANK)
+if RANK == 0:  # resumed past the grace (1 s): its tick and its abort's reply race
+    time.sleep(1.5)
+    os.kill(peer_pid(1), signal.SIGCONT)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+""",
+        "both created: the stopped rank's grace runs from when it runs again, so its "
+        "abort's reply (the commit) is its answer, never doubt beside its peer's creation "
+        "(issue 29's review, F1: a split in 2 of 4 runs before)",
+        lambda runs: (_expect(all_or_none(runs, timeouts=2), "expected a workspace on "
+                              "every rank"),  # rank 1 is back 1.5 s past its deadline
+                      _expect(_res(runs, 0)["stopped"] is True, runs)),
+        t=VOTE_TIMEOUT, reasons={0: [], 1: []}),
+    Scenario(
         "store host (rank 0) stopped during the vote", 2,
         _free() + """
 dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)

@@ -180,6 +180,25 @@ class Core:
             return self._abort(s.texts[1], now)
         return self, []
 
+    def on_resume(self, now: float) -> tuple:
+        """This process ran nothing for a while (stopped, frozen, starved) and runs again
+        at ``now``. The time it lost was not the store's to answer in: an abort of its own
+        that it had not sent yet, or whose reply is waiting to be read, is due the grace
+        after ``now`` (else it would be in doubt of a register the store holds, with a
+        reply on its way: a veto beside its peers' commit)."""
+        if self.answer is not None or not self.aborting or now <= self.abort_at:
+            return self, []
+        return self._with(abort_at=now), []
+
+    def on_error(self) -> tuple:
+        """The store failed this rank's own abort (its connection broke): the register it
+        read already, if any, is its answer; else it is in doubt."""
+        if self.answer is not None:
+            return self, []
+        if self.read is not None:
+            return self._decided(self.read)
+        return self._to(DONE, answer=DOUBT), [self._out()]
+
     def on_interrupt(self, now: float) -> tuple:
         """Ctrl-C or an error of ours mid-round: write the abort (the caller does not wait
         for the answer)."""

@@ -26,6 +26,7 @@ from .record import Record, Register
 from .vote import GRACE_S, Outcome, codec_for, members_key
 
 POLL_S = 0.005  # a wait without a waiting line: one check this often
+STOPPED_S = 0.25  # a slice that took this much longer: the process was stopped (core.on_resume)
 ABSENT = "\x00fiws:absent"  # never a value of ours: a compare_set with it only reads
 
 
@@ -157,6 +158,8 @@ class StoreVote:
                     self._active[name] = False
                     return
                 op = queue.popleft()
+            if op.tag == _core.T_ABORT:
+                _points.hit("round.abort_sending")
             try:
                 value = _execute(s, op)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -187,12 +190,16 @@ class StoreVote:
                 self._error = exc
             queue.clear()
             self._active[name] = False
+            if self._core.answer is None and self._core.read is not None:
+                self._apply(*self._core.on_error())  # it read the register already
+                self._error = None
             self._done.set()
 
     def _wait(self) -> None:
         """The calling thread: wait for the answer in slices; tell the core the time at
         its deadline and after the grace; poll a wait without a waiting line."""
         try:
+            last = time.monotonic()
             while not self._done.is_set():
                 with self._lock:
                     wake = self._core.wake_at()
@@ -202,13 +209,17 @@ class StoreVote:
                     pause = min(pause, max(wake - now, 0.0))
                 self._done.wait(pause)
                 now = time.monotonic()
+                stopped = now - last > pause + STOPPED_S  # this process ran nothing meanwhile
                 if self._done.is_set():
                     break
                 if self._polled is not None:
                     self._poll()
                 with self._lock:
+                    if stopped:
+                        self._apply(*self._core.on_resume(now))
                     if wake is not None and now >= wake:
                         self._apply(*self._core.on_tick(now))
+                last = time.monotonic()
         except BaseException:
             self.abort_now("interrupted")
             raise

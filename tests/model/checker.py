@@ -10,7 +10,7 @@ Always:
 - ``valid``: a round is created only where every rank's call at that position says yes,
   to one and the same call;
 - ``doubt only when the store stopped``: a rank answers "in doubt" only in a history
-  where the store stopped answering;
+  where the store stopped answering, and never after it had read the register;
 - ``bounded``: every answer comes within T + grace of the call's start, or within the
   grace of the rank's resumption when it was paused;
 - ``terminates``: in a state with no step left, every rank that did not crash has answered
@@ -25,8 +25,9 @@ Always:
   to the same call, all started within T of each other, none crashed or was paused in it
   and the store answered throughout, is created on every rank, whatever came before it.
 
-Sometimes: ``commit``, ``abort by no``, ``abort by mismatch``, ``abort by timeout``, ``a
-late rank follows a decided register``, ``in doubt`` (where the scenario can reach them).
+Sometimes: ``commit``, ``abort by no``, ``abort by mismatch``, ``abort by timeout``, ``abort
+by a peer's cached veto``, ``abort by an interrupt``, ``a late rank follows a decided
+register``, ``in doubt`` (where the scenario can reach them).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from typing import Callable
 from . import system as S
 
 SOMETIMES = ("commit", "abort by no", "abort by mismatch", "abort by timeout",
-             "abort by a peer's cached veto", "a late rank follows a decided register",
-             "in doubt")
+             "abort by a peer's cached veto", "abort by an interrupt",
+             "a late rank follows a decided register", "in doubt")
 
 
 @dataclasses.dataclass
@@ -87,6 +88,8 @@ def always(sc: S.Scenario, state: S.State) -> list:
         for r, a in answers.items():
             if a.answer == "doubt" and not a.stopped:
                 bad.append(f"doubt only when the store stopped: rank {r} at {(g, p)}")
+            if a.answer == "doubt" and a.cause == "read":
+                bad.append(f"doubt only without the register: rank {r} at {(g, p)} had read it")
             if not a.on_time:
                 bad.append(f"bounded: rank {r} at {(g, p)} answered late")
     return bad
@@ -143,6 +146,8 @@ def sometimes(state: S.State) -> set:
                 out.add(f"abort by {a.cause}")
             elif a.answer == "abort" and a.cause == "cached":
                 out.add("abort by a peer's cached veto")
+            elif a.answer == "abort" and a.cause == "interrupted":
+                out.add("abort by an interrupt")
             if a.late and a.answer in ("commit", "abort"):
                 out.add("a late rank follows a decided register")
     return out

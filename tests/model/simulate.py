@@ -4,8 +4,9 @@
 A seed fixes everything: the scenario (group size given; calls per rank, mismatches, noes,
 cached vetoes, an extra call, a late rank, a new group) and the fault plan, FoundationDB's
 two levels: each fault kind is first *activated* for the history or not, then *fired*
-with a small probability at each step (a crash, a pause past the vote timeout, the store
-stopped, an outsider's read that wakes the waiters). The interleaving is drawn step by step
+with a small probability at each step (a crash, a pause past the vote timeout with its
+requests sent or not, the store stopped, an outsider's read that wakes the waiters, an
+interrupt). The interleaving is drawn step by step
 from the same generator, so a seed replays bit for bit: ``scripts/simulate --seed S
 --ranks N`` prints its history. The checker's properties are checked at the end
 (``checker.always``, ``checker.final``); a history that does not end within its step
@@ -65,19 +66,21 @@ def scenario(seed: int, size: int, calls: tuple = (5, 25)) -> tuple:
     starts = tuple(3 if rng.random() < 0.05 else 0 for _ in range(size)) \
         if rng.random() < 0.3 else ()
     fire = {kind: (rng.choice((0.0005, 0.002, 0.01)) if rng.random() < 0.25 else 0.0)
-            for kind in ("crash", "pause", "store", "peek")}
+            for kind in ("crash", "pause", "store", "peek", "interrupt")}
     sc = S.Scenario(
         f"seed {seed}", size, calls_of, starts=starts,
         crash=rng.randint(1, 2) if fire["crash"] else 0,
         pause=rng.randint(1, 3) if fire["pause"] else 0,
         stop=(1, 4) if fire["store"] else (),
         peek=rng.randint(1, 5) if fire["peek"] else 0,
+        interrupt=rng.randint(1, 2) if fire["interrupt"] else 0,
         fresh=groups == 2 and rng.random() < 0.5,
         horizon=(n + 2) * (3 + 2) * groups + 40)
     return sc, fire
 
 
-FAULT_OF = {"crash": "crash", "pause": "pause", "store": "store stops", "peek": "peek"}
+FAULT_OF = {"crash": "crash", "pause": "pause", "store": "store stops", "peek": "peek",
+            "interrupt": "interrupt"}
 
 
 def run(seed: int, size: int, calls: tuple = (5, 25), max_steps: int = 2_000_000,

@@ -17,7 +17,11 @@ operations the core uses (docs/agreement.md, "The store"):
 
 A rank has two connections, as in production: ``main`` and ``wait`` (the blocking wait
 and the read after it). A request is served when the store takes it, and its reply is
-handed to the rank's core in the same step (a paused rank finds it on resume). A crashed
+handed to the rank's core in the same step (a paused rank finds it on resume). A paused
+rank either had its requests on the wire (the store serves them while it is paused) or had
+not sent them yet ("held": nothing of it is served before it resumes); on resuming it tells
+its core (``Core.on_resume``), as the driver does when a slice of its wait took far longer
+than asked. A crashed
 rank's requests already on the wire are still served (the bytes are in the socket); what
 it had queued behind a request awaiting its reply is lost with it.
 
@@ -101,10 +105,11 @@ class Scenario(NamedTuple):
     pause: int = 0  # ranks that may be paused past the vote timeout
     stop: tuple = ()  # how long the store may stop (each a choice), once
     horizon: int = 40
+    interrupt: int = 0  # ranks that may be interrupted mid-round (Ctrl-C, an error of ours)
 
 
 class Rank(NamedTuple):
-    status: str  # "live" | "paused" | "crashed"
+    status: str  # "live" | "paused" | "held" (paused before sending) | "crashed"
     resume_at: int
     group: int  # index of its current group
     started: int  # calls started in that group (the next one's position)
@@ -146,12 +151,13 @@ class State(NamedTuple):
     pause: int
     peek: int
     window: tuple  # (from, until) of the store's stop, once it has stopped; () before
+    interrupt: int = 0
 
 
 def initial(sc: Scenario) -> State:
     ranks = tuple(Rank("live", 0, 0, 0, None, (), (), (), False, (), 0, False, -1, (), ())
                   for _ in range(sc.size))
-    return State(0, (), (), ranks, -1, sc.crash, sc.pause, sc.peek, ())
+    return State(0, (), (), ranks, -1, sc.crash, sc.pause, sc.peek, (), sc.interrupt)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -203,7 +209,9 @@ def _put(sc: Scenario, state: State, r: int, owner, core: C.Core, ops) -> State:
         now, window = state.now, state.window
         due = (rank.resumed if rank.resumed >= 0 else rank.start + sc.t) + sc.grace
         rank = rank._replace(current=None, answers=rank.answers + (Answer(
-            owner[0], owner[1], core.answer, cause(core.register), rank.start, rank.late,
+            owner[0], owner[1], core.answer,
+            ("read" if core.read is not None else "-") if core.answer == C.DOUBT
+            else cause(core.register), rank.start, rank.late,
             rank.resumed >= 0, bool(window) and window[0] <= now and window[1] >= rank.start,
             now <= max(due, rank.start + sc.t + sc.grace),
             core.register is not None and CODEC.complete(core.register)),))
@@ -217,7 +225,7 @@ def _eager(sc: Scenario, state: State, r: int) -> State:
     reads them again, so serving it at once or later reaches the same answers)."""
     while True:
         rank = state.ranks[r]
-        if state.stopped_until >= 0:
+        if state.stopped_until >= 0 or rank.status == "held":
             return state
         for line, fifo in (("main", rank.main), ("wait", rank.wait)):
             if fifo and not (line == "wait" and rank.parked) and (
@@ -232,7 +240,7 @@ def key(state: State) -> tuple:
     """A state's identity for the search: the cores reduced to what decides their next
     steps (their setup follows from the scenario, the owner and the start time)."""
     return (state.now, state.store, state.parked, state.stopped_until, state.crash, state.pause,
-            state.peek, state.window, tuple((rk.status, rk.resume_at, rk.group, rk.started, rk.current,
+            state.peek, state.window, state.interrupt, tuple((rk.status, rk.resume_at, rk.group, rk.started, rk.current,
                                  tuple((o, c.phase, c.aborting, c.abort_at, c.register, c.answer,
                                         c.out) for o, c in rk.cores),
                                  rk.main, rk.wait, rk.parked, rk.inbox,
@@ -242,7 +250,8 @@ def key(state: State) -> tuple:
 
 def _retire(rank: Rank) -> Rank:
     """Forget the cores of answered calls whose requests are all served."""
-    busy = {k for k, _ in rank.main} | {k for k, _ in rank.wait}
+    busy = ({k for k, _ in rank.main} | {k for k, _ in rank.wait}
+            | {k for k, _, _ in rank.inbox})  # a reply still to be read: its core stays
     keep = tuple((k, c) for k, c in rank.cores if k == rank.current or k in busy)
     return rank if keep == rank.cores else rank._replace(cores=keep)
 
@@ -253,7 +262,7 @@ def _feed(sc: Scenario, state: State, r: int, owner, tag: str, value) -> State:
     rank = state.ranks[r]
     if rank.status == "crashed":
         return state
-    if rank.status == "paused":
+    if rank.status in ("paused", "held"):
         return _set(state, r, rank._replace(inbox=rank.inbox + ((owner, tag, value),)))
     core = _core(rank, owner)
     if core is None:
@@ -389,14 +398,17 @@ def _tick(sc: Scenario, state: State, r: int) -> State:
 
 def _resume(sc: Scenario, state: State, r: int) -> State:
     rank = state.ranks[r]
-    state = _set(state, r, rank._replace(status="live", resume_at=0, inbox=(),
+    cores = tuple((o, c.on_resume(state.now)[0]) for o, c in rank.cores)
+    state = _set(state, r, rank._replace(status="live", resume_at=0, cores=cores,
                                          resumed=state.now))
-    for owner, tag, value in rank.inbox:
-        state = _feed(sc, state, r, owner, tag, value)
+    while state.ranks[r].inbox:  # one by one: a core with a reply still to read stays
+        (owner, tag, value), rest = state.ranks[r].inbox[0], state.ranks[r].inbox[1:]
+        state = _feed(sc, _set(state, r, state.ranks[r]._replace(inbox=rest)), r, owner, tag,
+                      value)
     return state
 
 
-def _crash(state: State, r: int) -> State:
+def _crash(state: State, r: int, budget: str = "crash") -> State:
     """The process dies: requests on the wire are still served, the rest is lost."""
     rank = state.ranks[r]
 
@@ -409,7 +421,17 @@ def _crash(state: State, r: int) -> State:
         return tuple(kept)
     rank = rank._replace(status="crashed", main=on_wire(rank.main), inbox=(), leftovers=(),
                          wait=rank.wait[:1] if rank.parked else on_wire(rank.wait))
-    return _set(state, r, rank)._replace(crash=state.crash - 1)
+    return _set(state, r, rank)._replace(**{budget: getattr(state, budget) - 1})
+
+
+def _interrupt(sc: Scenario, state: State, r: int) -> State:
+    """Ctrl-C (or an error of ours) mid-round: the driver hands the core the interrupt, its
+    abort goes out on the main line, and the call raises without waiting for the answer;
+    the process is taken to be gone with it (requests on the wire still served)."""
+    rank = state.ranks[r]
+    core, ops = _core(rank, rank.current).on_interrupt(state.now)
+    state = _put(sc, state, r, rank.current, core, ops)
+    return _crash(state, r, "interrupt")
 
 
 def successors(sc: Scenario, state: State) -> list:
@@ -436,13 +458,13 @@ def actions(sc: Scenario, state: State) -> list:
     up = state.stopped_until < 0
     out = []
     for r, rank in enumerate(state.ranks):
-        if rank.status == "paused" and state.now >= rank.resume_at:
+        if rank.status in ("paused", "held") and state.now >= rank.resume_at:
             out.append((f"resume {r}", lambda r=r: _resume(sc, state, r)))
             continue
         owner = _may_start(sc, state, r)
         if owner is not None:
             out.append((f"start {r} {owner}", lambda r=r, o=owner: _start(sc, state, r, o)))
-        if up:
+        if up and rank.status != "held":
             for line, fifo in (("main", rank.main), ("wait", rank.wait)):
                 if fifo and not (line == "wait" and rank.parked):
                     out.append((f"serve {r} {line} {fifo[0][1].kind} {fifo[0][1].key}",
@@ -459,7 +481,7 @@ def actions(sc: Scenario, state: State) -> list:
 def _pending(sc: Scenario, state: State) -> bool:
     """Whether anything is left to happen (time only passes towards it)."""
     return state.stopped_until >= 0 or any(
-        rank.status == "paused" or rank.main or rank.wait
+        rank.status in ("paused", "held") or rank.main or rank.wait
         or (rank.status == "live" and not finished(sc, r, rank))
         for r, rank in enumerate(state.ranks))
 
@@ -470,10 +492,13 @@ def _faults(sc: Scenario, state: State) -> list:
     for r, rank in enumerate(state.ranks):
         if state.crash and rank.status != "crashed" and not finished(sc, r, rank):
             out.append((f"crash {r}", lambda r=r: _crash(state, r)))
+        if state.interrupt and rank.status == "live" and rank.current is not None:
+            out.append((f"interrupt {r}", lambda r=r: _interrupt(sc, state, r)))
         if state.pause and rank.status == "live" and rank.current is not None:
-            out.append((f"pause {r}", lambda r=r, rank=rank: _set(state, r, rank._replace(
-                status="paused", resume_at=state.now + sc.t + 1))._replace(
-                    pause=state.pause - 1)))
+            for how, status in (("", "paused"), (" before sending", "held")):
+                out.append((f"pause {r}{how}", lambda r=r, rank=rank, status=status: _set(
+                    state, r, rank._replace(status=status, resume_at=state.now + sc.t + 1))
+                    ._replace(pause=state.pause - 1)))
     if state.peek and state.stopped_until < 0:  # an outsider's compare_set read of a register
         for key in sorted({k for _, k in state.parked}):  # someone waits for
             out.append((f"peek {key}",

@@ -32,9 +32,15 @@ PINNED = {
         79, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
     "two ranks: either crashes at any step": (1563, 79, {"commit", "abort by timeout"}),
     "two ranks: either is paused past the vote timeout": (
-        1765, 13, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+        2993, 19, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+    "two ranks: rank 1 arrives at rank 0's deadline, and either is paused (its requests sent "
+    "or not)": (2998, 33, {"commit", "abort by timeout", "a late rank follows a decided register"}),
+    "two ranks: either is interrupted (Ctrl-C) mid-round": (
+        1673, 85, {"commit", "abort by an interrupt", "abort by timeout"}),
     "two ranks: the store stops for less than the grace, or past every deadline": (
         13179, 70, {"commit", "abort by timeout", "in doubt"}),
+    "two ranks: rank 1 arrives at rank 0's deadline, and the store stops past it": (
+        634, 41, {"commit", "abort by timeout", "a late rank follows a decided register"}),
     "two ranks: rank 0 answers its first call from its veto cache": (
         321, 2, {"commit", "abort by a peer's cached veto"}),
     "two ranks: a new group on the same store after a round only rank 0 made": (
@@ -49,7 +55,7 @@ PINNED = {
     "three ranks: rank 2 arrives after the others' deadlines": (
         337, 1, {"commit", "abort by timeout", "a late rank follows a decided register"}),
     "three ranks: any one crashes at any step": (3453, 157, {"commit", "abort by timeout"}),
-    "three ranks: any one is paused past the vote timeout": (4341, 7, {"commit", "abort by timeout"}),
+    "three ranks: any one is paused past the vote timeout": (7188, 10, {"commit", "abort by timeout"}),
     "three ranks: the store stops for less than the grace, or past every deadline": (
         16019, 44, {"commit", "in doubt"}),
     "three ranks: rank 0 makes one call more, rank 1 answers from its cache": (
@@ -113,6 +119,40 @@ def test_a_register_that_is_not_followed_is_caught(monkeypatch):
 def test_a_deadline_that_never_fires_is_caught(monkeypatch):
     monkeypatch.setattr(C.Core, "on_tick", lambda self, now: (self, []))
     assert _violated(SC.TWO[4]).startswith(("terminates", "bounded"))
+
+
+def _named(part):
+    return next(sc for sc in SC.SCENARIOS if part in sc.name)
+
+
+def test_a_grace_that_counts_the_time_the_rank_was_stopped_is_caught(monkeypatch):
+    """Issue 29's review (F1): a rank stopped at its deadline with its abort not sent, its
+    peer committing meanwhile; on resuming, its tick came before the abort's reply and it
+    was in doubt beside its peer's creation. The model's "held" pause finds it."""
+    monkeypatch.setattr(C.Core, "on_resume", lambda self, now: (self, []))
+    assert _violated(_named("and either is paused")).startswith("doubt only when the store")
+
+
+def test_doubt_after_the_register_was_read_is_caught(monkeypatch):
+    right = C.Core.on_tick
+
+    def on_tick(self, now):  # past the grace: doubt, whatever it read meanwhile
+        if self.answer is None and self.aborting and now >= self.abort_at + self.setup.grace:
+            return self._to(C.DONE, answer=C.DOUBT), [self._out()]
+        return right(self, now)
+    monkeypatch.setattr(C.Core, "on_tick", on_tick)
+    assert _violated(_named("and the store stops past it")).startswith("doubt only without")
+
+
+def test_an_interrupt_that_writes_no_abort_is_caught():
+    sc = _named("interrupted")
+    broken = C.Core.on_interrupt
+    try:
+        C.Core.on_interrupt = lambda self, now: (self, [])
+        res = K.explore(sc)
+    finally:
+        C.Core.on_interrupt = broken
+    assert "abort by an interrupt" not in res.seen  # its peers wait for their deadline
 
 
 def test_keys_without_the_generation_are_caught(monkeypatch):

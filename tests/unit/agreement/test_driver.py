@@ -261,3 +261,47 @@ def test_every_operation_of_the_core_runs_on_the_store(store):
     assert D._execute(store, C.Op("check", "d"), until) is False
     with pytest.raises(ValueError):
         D._execute(store, C.Op("set", "x"), until)
+
+
+class _BreaksOnAbort:
+    """A connection whose abort write (a compare_set of the register) waits until the test
+    says so, then breaks (the store host's connection reset)."""
+
+    def __init__(self, inner, release: threading.Event):
+        self.inner, self.release = inner, release
+
+    def compare_set(self, key, expected, desired):
+        if desired != D.ABSENT and key.endswith("/d"):
+            assert self.release.wait(LONG)
+            raise RuntimeError("Connection reset by peer")
+        return self.inner.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_abort_whose_connection_breaks_answers_from_the_register_read_meanwhile(store):
+    """Issue 29's review (F2): rank 0's deadline abort is in flight when rank 1 commits;
+    rank 0's waiting line reads the commit; then the abort's connection breaks. The commit
+    it read is its answer (it was in doubt before: a veto beside rank 1's creation)."""
+    release = threading.Event()
+    main = _store.StoreLine(lambda: _BreaksOnAbort(store, release))
+    waiting = _store.StoreLine(lambda: store)
+    _LINES.extend([main, waiting])
+    a = D.StoreVote((0, 1), 0, "c", time.monotonic(), 0.0, 0, "unit",
+                    lines={"main": main, "wait": waiting}, group=known(), size=2)
+    a.grace = LONG
+    a.open()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(0, a.vote(record(0))), daemon=True)
+    t.start()
+    b = vote_of(store, 1)
+    b.open()
+    assert b.vote(record(1)).commit  # its commit wins: rank 0's abort has not reached the store
+    for _ in range(int(LONG / 0.01)):  # rank 0's waiting line reads that register
+        if a._core is not None and a._core.read is not None:
+            break
+        time.sleep(0.01)
+    release.set()
+    t.join(LONG)
+    assert out[0].commit and not out[0].in_doubt

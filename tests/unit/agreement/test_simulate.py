@@ -19,7 +19,8 @@ def test_long_histories_keep_every_property(size, seeds, calls):
     for seed in seeds:
         run = M.run(seed, size, calls)
         assert run.violations == [], (seed, run.violations[:3], run.trace[-30:])
-        assert sum(run.answers.values()) >= size * 5  # it ran: every rank answered its calls
+        gone = run.faults["crash"] + run.faults["interrupt"]  # ranks that left mid-history
+        assert sum(run.answers.values()) >= (size - gone) * 5  # it ran: every rank left answered
         seen |= run.seen
     assert "commit" in seen
 
