@@ -311,6 +311,34 @@ def test_a_rank_that_has_not_arrived_ignores_time():
     assert core.on_tick(100.0) == (core, []) and core.wake_at() is None
 
 
+def test_a_resumed_process_gives_its_unanswered_abort_the_grace_from_its_resumption():
+    """Stopped from 10.2 to 20: the abort it sent at 10 (or had still to send) gets its
+    reply in the grace after 20, not before; nothing else moves."""
+    core, _ = counted_in(deadline=10.0, grace=1.0)
+    aborting, _ = core.on_tick(10.0)
+    resumed, ops = aborting.on_resume(20.0)
+    assert ops == [] and resumed.abort_at == 20.0 and resumed.wake_at() == 21.0
+    assert resumed.on_tick(20.5) == (resumed, [])  # would be in doubt without the resumption
+    assert resumed.on_tick(21.0)[0].answer == C.DOUBT
+    assert aborting.on_resume(9.0) == (aborting, [])  # a time before its abort: nothing
+    assert aborting.on_resume(10.0) == (aborting, [])
+    assert core.on_resume(20.0) == (core, [])  # no abort of its own: its deadline stands
+    answered, _ = aborting.on_reply(C.T_ABORT, "late|0")
+    assert answered.on_resume(30.0) == (answered, [])
+
+
+def test_a_store_error_on_its_abort_answers_from_the_register_read_else_doubt():
+    core, _ = counted_in(deadline=10.0)
+    core, _ = core.on_reply(C.T_WAIT, None)
+    aborting, _ = core.on_tick(10.0)
+    doubt, ops = aborting.on_error()
+    assert (doubt.answer, ops) == (C.DOUBT, [OUT])
+    read, _ = aborting.on_reply(C.T_FETCH, "commit")
+    decided, ops = read.on_error()
+    assert (decided.answer, decided.register, ops) == (C.COMMIT, "commit", [OUT])
+    assert decided.on_error() == (decided, []) and doubt.on_error() == (doubt, [])
+
+
 # --------------------------------------------------------------------------- interrupts
 
 
@@ -323,6 +351,12 @@ def test_an_interrupt_writes_the_interrupt_s_abort_once():
     core, ops = core.on_reply(C.T_ABORT, "interrupted|0")
     assert (core.answer, core.decider, ops) == (C.ABORT, True, [OUT])
     assert core.on_interrupt(7.0) == (core, [])  # answered: nothing more
+
+
+def test_the_ranks_whose_record_is_in_are_its_parsed_positions():
+    assert C.arrived(line(1) + "garbled\tx\n" + line(0)) == {0, 1}
+    assert C.arrived(line(0).encode()) == {0} and C.arrived(line(2)) == {2}
+    assert C.arrived(b"") == set() and C.arrived(None) == set()
 
 
 # --------------------------------------------------------------------------- the count-out
@@ -403,6 +437,19 @@ def test_a_rank_s_rounds_on_a_set_run_in_position_order():
         lambda: group.turn("b", 1, past))  # another set has its own front
     group.skip("c")  # a skipped position is done at once
     assert _bounded(lambda: group.turn("c", 1, past))
+
+
+def test_positions_done_in_order_move_the_front_of_their_own_set_only():
+    group = P.Group()
+    past = time.monotonic() - 1.0
+    group.done("a", 0)
+    group.done("a", 1)
+    assert _bounded(lambda: group.turn("a", 2, past))
+    group.done("b", 1)  # out of order on b: a's front and c's are not b's
+    group.done("c", 0)
+    assert _bounded(lambda: group.turn("c", 1, past)) and not _bounded(
+        lambda: group.turn("c", 2, past))
+    assert not _bounded(lambda: group.turn("b", 2, past))
 
 
 def test_a_turn_waits_for_the_earlier_position_to_be_done():
