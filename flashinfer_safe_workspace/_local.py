@@ -18,6 +18,7 @@ from . import _bounded, _reasons as R
 from . import checks as _checks
 from ._log import internal_error, logger, rank_tag
 from .agreement import group as _group
+from .agreement import process as _process
 from .agreement.record import NO, PASS_STATE, YES, Candidate, CheckResult, Record
 from .checks import deep as _deep, exchange as _exchange, memory as _memory
 from .planning import plan as _plan, probe as _probe, request as _request
@@ -67,7 +68,8 @@ def warn_version(version, settings):
 
 def base_record(req, members, **fields) -> Record:
     return Record(rank=_group.global_rank(), pid=os.getpid(), position=members.me,
-                  call=_request.identity(req), args=_request.summary(req), **fields)
+                  call=_request.identity(req), args=_request.summary(req),
+                  proc=_process.identity(), at=time.time(), **fields)
 
 
 def unbound_record(members) -> Record:

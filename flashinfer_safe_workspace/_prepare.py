@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from . import _bounded, _config
-from .agreement import positions as _positions, store as _store, vote as _vote
+from .agreement import positions as _positions, process as _process, store as _store, vote as _vote
 
 
 def prepare(originals=()) -> None:
@@ -24,6 +24,7 @@ def prepare(originals=()) -> None:
         from .planning import facts, headroom, request, rules  # noqa: F401 - for the first decision
 
         request.flashinfer_version()
+        _process.identity()  # this process's boot, pid namespace and start (/proc, once)
         for original in originals:  # how a call binds: inspect.signature, read once
             request._keywords(original)
     except Exception:  # noqa: BLE001 - the decision does it itself and reports

@@ -767,6 +767,24 @@ result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err
                       at_once(runs, 0), _expect(runs[1]["returncode"] == -9, runs[1])),
         env={"FIWS_LINGER_S": "1"}, host=False, t=VOTE_TIMEOUT),
     Scenario(
+        "rank killed (SIGKILL) after publishing yes; its peer arrives 1.5 s later", 2,
+        _free() + """
+dev = rank_lib.setup(free_mb=FREE, vote_timeout=T)
+if RANK == 1:  # killed with its record in
+    rank_lib.at("round.published", lambda: (mark("published-1"), os.kill(os.getpid(), signal.SIGKILL)))
+    rank_lib.create(rank=RANK)
+await_mark("published-1")
+time.sleep(1.5)  # its record is older than process.STALE_S (1 s) when the count completes
+outcome, secs, err = rank_lib.create(rank=RANK)
+result.update(reasons=rank_lib.last_reasons, outcome=outcome, secs=secs, err=err, calls=len(rank_lib.calls), live=dev.live_bytes)
+""",
+        "rank 0 completes the count and sees that the yes in it was written by a process "
+        "that no longer runs: None at once, naming rank 1 absent (issue 29's review, F3: the "
+        "same check keeps a new job from committing on an earlier job's record)",
+        lambda runs: (_expect(_res(runs, 0)["outcome"] == "none", _res(runs, 0)),
+                      at_once(runs, 0), _expect(runs[1]["returncode"] == -9, runs[1])),
+        env={"FIWS_LINGER_S": "1"}, host=False, t=VOTE_TIMEOUT, reasons={0: ["ABSENT"]}),
+    Scenario(
         "rank vetoes at its deadline while the store host is stopped, then exits", 2,
         _free() + """
 import json, subprocess

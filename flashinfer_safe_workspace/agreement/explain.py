@@ -54,6 +54,24 @@ def decided(verdict, records: list, by: int, call: str) -> Register:
                     short=short, call=call, complete=True)
 
 
+def writers_gone(records: list, positions: list, by: int, call: str) -> Register:
+    """The register of a count completed with the yes of a process that no longer runs
+    (``process``): a rank killed after its yes, or an earlier job's process on this store.
+    Its rank is named absent."""
+    named, details = [], []
+    for pos in positions:
+        rec = records[pos]
+        rank = rec.rank if isinstance(rec.rank, int) else pos
+        named.append(rank)
+        details.append(f"rank {rank}: its yes was written by process {rec.pid}, which no "
+                       "longer runs (killed after its vote, or a process of an earlier job "
+                       "on this store)")
+    return Register(ABORT, by, "; ".join(details), reasons=(_rec.ABSENT,),
+                    details=tuple(details), named=tuple(sorted(named)), call=call)
+    # (not ``complete``: a gone writer's record says nothing of whether every live rank came,
+    # so no leftover is swept on it)
+
+
 def said_no(record: Record) -> Register:
     """The register a rank that said no writes at once."""
     cands = list(record.candidates.values())

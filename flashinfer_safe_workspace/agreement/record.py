@@ -14,7 +14,7 @@ import dataclasses
 import json
 from typing import Optional, Union
 
-WIRE = 7  # bump on any change of the fields below or of the values a round writes
+WIRE = 8  # bump on any change of the fields below or of the values a round writes
 
 from .._reasons import OK, REASON_TEXT
 
@@ -84,6 +84,8 @@ class Record:
     auto: bool = False  # FlashInfer's auto backend, resolved from every rank's records
     multicast: bool = False  # this rank supports multicast (auto's deciding fact)
     checks: dict = dataclasses.field(default_factory=dict)  # check name -> CheckResult
+    proc: str = ""  # the writer's boot/pid-namespace/start (``process.identity``)
+    at: float = 0.0  # when it was written (time.time(); ``process`` checks old ones)
     wire: int = WIRE
 
     def is_yes(self) -> bool:

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from .._log import internal_error
 from .._reasons import INTERNAL_ERROR
 from ..planning.plan import digest
-from . import core as _core, explain as _explain
+from . import core as _core, explain as _explain, process as _process
 from .record import NO, PASS, PASS_STATE, YES, Candidate, Record, Register, read_record
 
 __all__ = ["GRACE_S", "LocalRound", "Outcome", "Verdict", "codec_for", "digest", "members_key",
@@ -132,6 +132,10 @@ def codec_for(rank: int, call: str, seen: Optional[dict] = None) -> _core.Codec:
 
     def verdict(payloads: list) -> str:
         records = [read_record(p) for p in payloads]
+        gone = _gone(records)
+        if gone:  # a yes of a process that no longer runs: never a commit on it
+            seen.update(records=records, verdict=Verdict(False, "a record's writer is gone"))
+            return _explain.writers_gone(records, gone, rank, call).to_text()
         found = resolve(records)
         seen.update(records=records, verdict=found)
         return _explain.decided(found, records, rank, call).to_text()
@@ -149,6 +153,20 @@ def codec_for(rank: int, call: str, seen: Optional[dict] = None) -> _core.Codec:
         return _explain.decided(found, records, rank, call).to_text()
 
     return _core.Codec(verdict, refuse, _outcome, _complete)
+
+
+def _gone(records: list) -> list:
+    """The positions whose record is older than ``process.STALE_S`` and whose writer is
+    known to be gone (``process.gone``); [] on a healthy round without a look."""
+    now, out = time.time(), []
+    for pos, rec in enumerate(records):
+        if isinstance(rec, Record) and rec.at and now - rec.at > _process.STALE_S:
+            try:
+                if _process.gone(rec.pid, rec.proc):
+                    out.append(pos)
+            except Exception as exc:  # noqa: BLE001 - cannot tell: the record stands
+                internal_error("vote.gone", exc)
+    return out
 
 
 def _outcome(text: str) -> str:

@@ -305,3 +305,55 @@ def test_an_abort_whose_connection_breaks_answers_from_the_register_read_meanwhi
     release.set()
     t.join(LONG)
     assert out[0].commit and not out[0].in_doubt
+
+
+def _dead_process() -> tuple:
+    """(pid, identity) of a process of this machine that has ended (started and reaped)."""
+    import subprocess
+    import sys
+
+    from flashinfer_safe_workspace.agreement import process
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    boot, ns, _ = process.identity().split("/")
+    ident = f"{boot}/{ns}/{process._start_ticks(child.pid)}"
+    child.stdin.close()
+    child.wait(LONG)
+    return child.pid, ident
+
+
+def test_a_new_group_never_commits_on_a_yes_of_an_earlier_job_s_dead_process(store):
+    """Issue 29's review (F3): on a store that outlives its processes, an earlier job's
+    rank 1 counted itself into generation 0 (its rank 0 never did), published its yes and
+    was killed. The new job's rank 0 counts generation 0, its rank 1 generation 1: rank 0's
+    round 0 completes with the dead process's yes. It was created on rank 0 only; now the
+    record's writer is seen gone, and both ranks veto."""
+    import dataclasses
+
+    pid, ident = _dead_process()
+    old = vote_of(store, 1, group=P.Group())  # the earlier job's rank 1: generation 0
+    old.open()
+    stale = dataclasses.replace(record(1), pid=pid, proc=ident, at=time.time() - 60)
+    core, ops = C.Core(C.Setup(old.prefix, 2, 1, True, "c", stale.to_json(), 0.0, 1.0,
+                               ("", "", ""), None)).start()
+    for o in ops:  # its start: the record appended, itself counted in; then killed
+        store.append(o.key, o.value) if o.kind == "append" else store.add(o.key, o.n)
+    new0 = vote_of(store, 0, group=P.Group(), bound=2.0)
+    new1 = vote_of(store, 1, group=P.Group(), bound=2.0)
+    new0.open()  # counts generation 0 (the earlier job's rank 0 never counted)
+    new1.open()  # counts generation 1
+    assert new0.prefix == old.prefix != new1.prefix  # the counts collided
+    out = [None, None]
+
+    def go(i, v):
+        out[i] = v.vote(record(i))
+    threads = [threading.Thread(target=go, args=(i, v), daemon=True)
+               for i, v in enumerate((new0, new1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LONG)
+    assert not out[0].commit and not out[1].commit
+    info = explain.veto(out[0], None, None, record(0))
+    assert info.ranks == (1,) and R.ABSENT in info.reasons and str(pid) in info.message

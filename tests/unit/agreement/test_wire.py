@@ -30,7 +30,7 @@ FULL = Record(rank=3, pid=77, position=1, call="c1", args={"n": 1, "dtype": "bfl
 def test_constants_of_the_wire():
     assert (YES, NO, PASS_STATE) == ("ok", "no", "pass")
     assert (COMMIT, ABORT, PASS) == ("commit", "abort", "pass")
-    assert WIRE == 7
+    assert WIRE == 8
 
 
 def test_record_round_trip_keeps_every_field():
