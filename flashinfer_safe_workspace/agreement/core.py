@@ -180,15 +180,17 @@ class Core:
             return self._abort(s.texts[1], now)
         return self, []
 
-    def on_resume(self, now: float) -> tuple:
-        """This process ran nothing for a while (stopped, frozen, starved) and runs again
-        at ``now``. The time it lost was not the store's to answer in: an abort of its own
-        that it had not sent yet, or whose reply is waiting to be read, is due the grace
-        after ``now`` (else it would be in doubt of a register the store holds, with a
-        reply on its way: a veto beside its peers' commit)."""
-        if self.answer is not None or not self.aborting or now <= self.abort_at:
+    def on_resume(self, now: float, lost: float) -> tuple:
+        """This process ran nothing for ``lost`` seconds (stopped, frozen, starved) and runs
+        again at ``now``. The time it lost was not the store's to answer in: an abort of its
+        own that it had not sent yet, or whose reply is waiting to be read, is due that much
+        later (else it would be in doubt of a register the store holds, with a reply on its
+        way: a veto beside its peers' commit), never later than the grace after ``now``. Only
+        the lost time moves it: the time this rank ran still counts, so a process starved
+        again and again still answers after a grace of its own running time."""
+        if self.answer is not None or not self.aborting or lost <= 0 or now <= self.abort_at:
             return self, []
-        return self._with(abort_at=now), []
+        return self._with(abort_at=min(self.abort_at + lost, now)), []
 
     def on_error(self) -> tuple:
         """The store failed this rank's own abort (its connection broke): the register it

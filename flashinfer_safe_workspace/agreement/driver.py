@@ -27,6 +27,7 @@ from .vote import GRACE_S, Outcome, codec_for, members_key
 
 POLL_S = 0.005  # a wait without a waiting line: one check this often
 STOPPED_S = 0.25  # a slice that took this much longer: the process was stopped (core.on_resume)
+RAN_S = 0.05  # what a slice counts as running time at least, however late it ended
 ABSENT = "\x00fiws:absent"  # never a value of ours: a compare_set with it only reads
 
 
@@ -76,7 +77,8 @@ class StoreVote:
         for old in _positions.replaced():
             forget_group(old, main)
         size = self._size if self._size is not None else _group_size()
-        generation = self.group.generation_by(main, size, self.deadline)
+        generation = self.group.generation_by(main, size, self.deadline + self.grace)
+        # (a store that does not answer vetoes as STORE_ERROR after the grace, as in a round)
         self.prefix = _positions.prefix(generation, self.mkey, self.position)
 
     # -- the vote
@@ -175,8 +177,10 @@ class StoreVote:
 
     def _failed(self, name: str, op: _core.Op, exc: BaseException) -> None:
         """A store operation failed on line ``name``. The waiting line's failure moves its
-        operations to the main line (a wait becomes polling); the main line's leaves
-        this rank in doubt."""
+        operations to the main line (a wait becomes polling). The main line's failure
+        answers from the register read meanwhile; failing this rank's abort while its
+        waiting line still waits, it leaves the answer to that line until the abort's grace
+        has passed (a connection reset is not the register's answer); else in doubt."""
         with self._lock:
             queue = self._queues[name]
             if name == "wait" and self._core.answer is None:
@@ -193,33 +197,43 @@ class StoreVote:
             if self._core.answer is None and self._core.read is not None:
                 self._apply(*self._core.on_error())  # it read the register already
                 self._error = None
+            elif self._core.answer is None and op.tag == _core.T_ABORT and \
+                    self._active.get("wait") and "wait" in self._lines:
+                return  # its waiting line may still read the register (a peer's write, or
+                # this abort's, if it got through): the core's grace decides (on_tick)
             self._done.set()
 
     def _wait(self) -> None:
         """The calling thread: wait for the answer in slices; tell the core the time at
-        its deadline and after the grace; poll a wait without a waiting line."""
+        its deadline and after the grace; poll a wait without a waiting line. Each slice is
+        timed from the end of the one before (the slices tile the time: a stop anywhere in
+        the loop falls in one of them); a slice longer than asked by more than
+        ``STOPPED_S`` means this process ran nothing meanwhile, and the core is told how
+        long, less ``RAN_S`` (``Core.on_resume``), before it is told the time. Each slice
+        so counts at least ``RAN_S`` of running time: a process starved in every slice is
+        in doubt after at most grace / ``RAN_S`` + 1 slices."""
         try:
             last = time.monotonic()
             while not self._done.is_set():
                 with self._lock:
                     wake = self._core.wake_at()
-                now = time.monotonic()
                 pause = _store.SLICE_S if self._polled is None else POLL_S
                 if wake is not None:
-                    pause = min(pause, max(wake - now, 0.0))
+                    pause = min(pause, max(wake - time.monotonic(), 0.0))
                 self._done.wait(pause)
                 now = time.monotonic()
-                stopped = now - last > pause + STOPPED_S  # this process ran nothing meanwhile
+                lost, last = now - last - pause, now
                 if self._done.is_set():
                     break
                 if self._polled is not None:
                     self._poll()
+                    last = time.monotonic()  # the poll's time is the store's, not lost
                 with self._lock:
-                    if stopped:
-                        self._apply(*self._core.on_resume(now))
+                    if lost > STOPPED_S:  # past what scheduling may take: a stop (less
+                        # RAN_S: every slice counts some running time)
+                        self._apply(*self._core.on_resume(now, lost - RAN_S))
                     if wake is not None and now >= wake:
                         self._apply(*self._core.on_tick(now))
-                last = time.monotonic()
         except BaseException:
             self.abort_now("interrupted")
             raise

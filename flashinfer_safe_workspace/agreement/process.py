@@ -52,20 +52,42 @@ def identity() -> str:
     return text
 
 
+def _own_proc() -> bool:
+    """Whether ``/proc`` shows this process's own pid namespace (a ``/proc`` mounted from
+    another one, as in a container given the host's, names every pid differently)."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
+
+
 def gone(pid: int, ident: str) -> bool:
     """Whether the process that wrote a record as ``pid`` with ``identity()`` ``ident`` is
     known to be gone: same boot and pid namespace as this process, and that pid no longer
-    runs, or runs a process that started at another time. False where it cannot tell."""
+    runs, or runs a process that started at another time. False where it cannot tell: a
+    ``/proc`` of another pid namespace, or one that hides other users' processes
+    (``hidepid``: the pid is there, its ``/proc`` entry is not)."""
     mine = identity()
     if not ident or not mine or pid == os.getpid():
         return False
     boot, ns, start = (ident.split("/") + ["", "", ""])[:3]
     my_boot, my_ns, _ = mine.split("/")
-    if (boot, ns) != (my_boot, my_ns):
+    if (boot, ns) != (my_boot, my_ns) or not _own_proc():
         return False
     try:
         return _start_ticks(int(pid)) != start
     except FileNotFoundError:
-        return True  # no such process
+        return not _runs(int(pid))
     except (OSError, ValueError, IndexError):
         return False
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` names a process of this pid namespace (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: it runs
+        return True
+    return True

@@ -6,8 +6,8 @@ runs the operations submitted to it, in order. Callers wait for an operation in 
 (``SLICE_S``): Ctrl-C reaches the host within a slice, and a store host that stops
 answering costs a caller at most its deadline. An operation given up before it started
 never runs; one that failed drops its connection (a request that ran out of time may
-still be answered on it), and a connection that broke marks the store host gone: later
-operations fail at once, without touching a socket. After ``fork()`` the child has no line.
+still be answered on it), and a connection that broke marks the store host gone: no line
+connects to it again (its open connections still carry what is queued on them). After ``fork()`` the child has no line.
 """
 
 from __future__ import annotations
@@ -81,11 +81,9 @@ class StoreLine:
                     op.done.set()
                     continue
                 op.started = True
-            if _gone is not None and self.epoch == _epoch:
-                op.error = StoreUnavailable(_gone)
-                op.done.set()
-                continue
-            try:
+            try:  # (on a connection that is open, even once the host is known gone: one
+                # connection's reset is not every connection's, and a dead host's socket
+                # fails at once)
                 op.value = op.fn(self._store)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 op.error = exc

@@ -160,12 +160,13 @@ def _gone(records: list) -> list:
     known to be gone (``process.gone``); [] on a healthy round without a look."""
     now, out = time.time(), []
     for pos, rec in enumerate(records):
-        if isinstance(rec, Record) and rec.at and now - rec.at > _process.STALE_S:
-            try:
-                if _process.gone(rec.pid, rec.proc):
-                    out.append(pos)
-            except Exception as exc:  # noqa: BLE001 - cannot tell: the record stands
-                internal_error("vote.gone", exc)
+        if not isinstance(rec, Record) or not isinstance(rec.at, (int, float)) or not rec.at:
+            continue  # a record that cannot be dated stands as it is
+        try:
+            if now - rec.at > _process.STALE_S and _process.gone(rec.pid, rec.proc):
+                out.append(pos)
+        except Exception as exc:  # noqa: BLE001 - cannot tell: the record stands
+            internal_error("vote.gone", exc)
     return out
 
 

@@ -437,15 +437,22 @@ def test_pass_through_with_a_release_not_read_is_unprotected_not_vetoed(tmp_path
                for x in results(runs)), results(runs)
 
 
-def test_under_python_dash_s_doctor_says_what_it_cannot_know():
+def test_under_python_dash_s_doctor_says_what_it_cannot_know(tmp_path):
     """Review of issue 30, M4: under ``python -S`` doctor still said "the hooks are not
     registered: see the warnings above (wrapt missing?)", "FlashInfer is not installed",
     "wrapt is not installed" and "every workspace creation here would be vetoed ...
     NO_DEVICE": -S hides site-packages, so none of these is known. It names what it did not
     find and that it cannot tell, and no veto."""
+    import shutil
+
     import flashinfer_safe_workspace
 
-    home = os.path.dirname(os.path.dirname(os.path.abspath(flashinfer_safe_workspace.__file__)))
+    # a folder holding the package alone: the installed copy's folder is site-packages
+    # itself (a non-editable install, as in CI), where wrapt and FlashInfer are too
+    home = str(tmp_path)
+    shutil.copytree(os.path.dirname(os.path.abspath(flashinfer_safe_workspace.__file__)),
+                    tmp_path / "flashinfer_safe_workspace",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     run = lambda *extra: subprocess.run(  # noqa: E731
         [sys.executable, "-S", "-m", "flashinfer_safe_workspace", "doctor", *extra],
         env=_env(**{VAR: "1", "PYTHONPATH": home, "PYTHONSAFEPATH": "1"}),

@@ -398,7 +398,8 @@ def _tick(sc: Scenario, state: State, r: int) -> State:
 
 def _resume(sc: Scenario, state: State, r: int) -> State:
     rank = state.ranks[r]
-    cores = tuple((o, c.on_resume(state.now)[0]) for o, c in rank.cores)
+    cores = tuple((o, c.on_resume(state.now, sc.t + 1)[0]) for o, c in rank.cores)  # paused
+    # for t + 1 (``_moves``)
     state = _set(state, r, rank._replace(status="live", resume_at=0, cores=cores,
                                          resumed=state.now))
     while state.ranks[r].inbox:  # one by one: a core with a reply still to read stays

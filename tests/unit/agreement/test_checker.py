@@ -129,7 +129,7 @@ def test_a_grace_that_counts_the_time_the_rank_was_stopped_is_caught(monkeypatch
     """Issue 29's review (F1): a rank stopped at its deadline with its abort not sent, its
     peer committing meanwhile; on resuming, its tick came before the abort's reply and it
     was in doubt beside its peer's creation. The model's "held" pause finds it."""
-    monkeypatch.setattr(C.Core, "on_resume", lambda self, now: (self, []))
+    monkeypatch.setattr(C.Core, "on_resume", lambda self, now, lost: (self, []))
     assert _violated(_named("and either is paused")).startswith("doubt only when the store")
 
 

@@ -311,20 +311,42 @@ def test_a_rank_that_has_not_arrived_ignores_time():
     assert core.on_tick(100.0) == (core, []) and core.wake_at() is None
 
 
-def test_a_resumed_process_gives_its_unanswered_abort_the_grace_from_its_resumption():
-    """Stopped from 10.2 to 20: the abort it sent at 10 (or had still to send) gets its
-    reply in the grace after 20, not before; nothing else moves."""
+def test_a_resumed_process_gives_its_unanswered_abort_the_time_it_lost():
+    """Stopped from 10.2 to 20 (9.8 s lost): the abort it sent at 10 (or had still to send)
+    gets its reply in the grace after 19.8, not before; nothing else moves."""
     core, _ = counted_in(deadline=10.0, grace=1.0)
     aborting, _ = core.on_tick(10.0)
-    resumed, ops = aborting.on_resume(20.0)
-    assert ops == [] and resumed.abort_at == 20.0 and resumed.wake_at() == 21.0
+    resumed, ops = aborting.on_resume(20.0, 9.8)
+    assert ops == [] and resumed.abort_at == 19.8 and resumed.wake_at() == 20.8
     assert resumed.on_tick(20.5) == (resumed, [])  # would be in doubt without the resumption
-    assert resumed.on_tick(21.0)[0].answer == C.DOUBT
-    assert aborting.on_resume(9.0) == (aborting, [])  # a time before its abort: nothing
-    assert aborting.on_resume(10.0) == (aborting, [])
-    assert core.on_resume(20.0) == (core, [])  # no abort of its own: its deadline stands
+    assert resumed.on_tick(20.8)[0].answer == C.DOUBT
+    # never past the moment it runs again, whatever it is told it lost
+    assert aborting.on_resume(12.0, 50.0)[0].abort_at == 12.0
+    assert aborting.on_resume(9.0, 1.0) == (aborting, [])  # a time before its abort: nothing
+    assert aborting.on_resume(10.0, 1.0) == (aborting, [])
+    assert aborting.on_resume(20.0, 0.0) == (aborting, [])  # nothing lost: nothing moves
+    assert core.on_resume(20.0, 9.8) == (core, [])  # no abort of its own: its deadline stands
     answered, _ = aborting.on_reply(C.T_ABORT, "late|0")
-    assert answered.on_resume(30.0) == (answered, [])
+    assert answered.on_resume(30.0, 20.0) == (answered, [])
+
+
+def test_a_process_starved_again_and_again_is_in_doubt_after_a_grace_of_its_running_time():
+    """Issue 29's re-review (C2): each resumption moved the abort's due time to the
+    resumption itself, so a process whose every slice ran late (a thread holding the GIL
+    for a second at a time) waited as long as the starvation lasted. Only the lost time
+    moves it: the driver's loop (slices of at most 0.1 s, each 0.5 s late) is in doubt
+    after about grace / 0.1 slices."""
+    core, _ = counted_in(deadline=10.0, grace=1.0)
+    core, _ = core.on_tick(10.0)
+    now, slices = 10.0, 0
+    while core.answer is None:
+        slices += 1
+        assert slices <= 20, (now, core.abort_at)
+        asked = min(0.1, max(core.wake_at() - now, 0.0))
+        now += asked + 0.5
+        core, _ = core.on_resume(now, 0.5)
+        core, _ = core.on_tick(now) if now >= core.wake_at() else (core, [])
+    assert core.answer == C.DOUBT and 10 <= slices <= 12, slices
 
 
 def test_a_store_error_on_its_abort_answers_from_the_register_read_else_doubt():

@@ -357,3 +357,134 @@ def test_a_new_group_never_commits_on_a_yes_of_an_earlier_job_s_dead_process(sto
     assert not out[0].commit and not out[1].commit
     info = explain.veto(out[0], None, None, record(0))
     assert info.ranks == (1,) and R.ABSENT in info.reasons and str(pid) in info.message
+
+
+class _Clock:
+    """The driver's clock: the real one, plus the time this process "did not run" (a jump
+    at the ``at``-th reading from now on, or ``every`` reading late by that much)."""
+
+    def __init__(self):
+        self._lock, self.offset, self.readings = threading.Lock(), 0.0, 0
+        self.at, self.jump, self.every = None, 0.0, 0.0
+        self.jumped = threading.Event()
+
+    def monotonic(self):
+        with self._lock:
+            self.readings += 1
+            self.offset += self.every
+            if self.at is not None and self.readings >= self.at:
+                self.offset, self.at = self.offset + self.jump, None
+                self.jumped.set()
+            return time.monotonic() + self.offset
+
+    def jump_after(self, readings: int, seconds: float) -> None:
+        with self._lock:
+            self.at, self.jump = self.readings + readings, seconds
+
+    sleep = staticmethod(time.sleep)
+
+
+class _AbortAnswered:
+    """A connection whose abort write (a compare_set of the register) is answered once
+    ``ready()`` says so, then after ``lag`` (the reply read after the process resumed)."""
+
+    def __init__(self, inner, ready, lag: float):
+        self.inner, self.ready, self.lag = inner, ready, lag
+
+    def compare_set(self, key, expected, desired):
+        if desired != D.ABSENT and key.endswith("/d"):
+            assert self.ready()
+            time.sleep(self.lag)
+        return self.inner.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _alone(store, clock, monkeypatch, ready, lag=0.0, grace=1.0):
+    """Rank 0 of two, its peer never coming: its deadline is now, its grace ``grace``."""
+    monkeypatch.setattr(D, "time", clock)
+    main = _store.StoreLine(lambda: _AbortAnswered(store, ready, lag))
+    waiting = _store.StoreLine(lambda: store)
+    _LINES.extend([main, waiting])
+    v = D.StoreVote((0, 1), 0, "c", clock.monotonic() + 0.05, 0.05, 0, "unit",
+                    lines={"main": main, "wait": waiting}, group=known(), size=2)
+    v.grace = grace
+    v.open()
+    return v
+
+
+@pytest.mark.parametrize("reading", range(1, 9))
+def test_a_stop_anywhere_in_the_wait_loop_is_not_the_store_s_time(store, monkeypatch, reading):
+    """Issue 29's re-review (C1): the process stopped for 5 s (past the 1 s grace) while
+    its abort was on its way, its reply read 50 ms after it ran again. A stop between the
+    loop's reading of the time and its start of the next slice was missed: the rank was in
+    doubt beside the register the store held. Stopped at each of the calling thread's next
+    eight readings of the clock, it answers with the register."""
+    clock = _Clock()
+
+    def ready():
+        clock.jump_after(reading, 5.0)
+        return clock.jumped.wait(LONG)
+    v = _alone(store, clock, monkeypatch, ready, lag=0.05)
+    out = v.vote(record(0))
+    assert not out.in_doubt and not out.commit and out.register is not None, out
+
+
+def test_a_process_starved_in_every_slice_is_in_doubt_after_a_grace_of_running_time(
+        store, monkeypatch):
+    """Issue 29's re-review (C2): every reading of the clock 0.2 s late (the slices 0.4 s
+    longer than asked: a thread holding the GIL), the store never answering the abort. Each
+    slice used to move the abort's due time to its own end, so the rank waited as long as
+    the starvation lasted. It is in doubt after about a grace of its own running time."""
+    clock, release = _Clock(), threading.Event()
+    v = _alone(store, clock, monkeypatch, lambda: release.wait(LONG))
+    clock.every = 0.2
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(0, v.vote(record(0))), daemon=True)
+    t.start()
+    t.join(10.0)
+    release.set()
+    assert 0 in out and out[0].in_doubt, "still waiting after 10 s"
+
+
+class _ResetsOnAbort:
+    """A connection whose abort write (a compare_set of the register) fails at once (the
+    connection reset before the request reached the store)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def compare_set(self, key, expected, desired):
+        if desired != D.ABSENT and key.endswith("/d"):
+            raise RuntimeError("Connection reset by peer")
+        return self.inner.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_abort_whose_connection_resets_waits_the_grace_for_the_register(store):
+    """Issue 29's re-review (M2): rank 0's deadline abort failed at once on a reset
+    connection, and rank 0 was in doubt at once; rank 1, arriving within the grace,
+    completed the count and committed: a veto beside a creation. Rank 0's waiting line
+    still waits on the register: it reads rank 1's commit, which is rank 0's answer."""
+    main = _store.StoreLine(lambda: _ResetsOnAbort(store))
+    waiting = _store.StoreLine(lambda: store)
+    _LINES.extend([main, waiting])
+    a = D.StoreVote((0, 1), 0, "c", time.monotonic(), 0.0, 0, "unit",
+                    lines={"main": main, "wait": waiting}, group=known(), size=2)
+    a.grace = 2.0
+    a.open()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(0, a.vote(record(0))), daemon=True)
+    t.start()
+    for _ in range(int(LONG / 0.01)):  # rank 0's abort has failed
+        if a._error is not None:
+            break
+        time.sleep(0.01)
+    b = vote_of(store, 1)
+    b.open()
+    assert b.vote(record(1)).commit
+    t.join(LONG)
+    assert out[0].commit and not out[0].in_doubt, out[0]

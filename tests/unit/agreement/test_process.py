@@ -64,3 +64,58 @@ def test_where_it_cannot_tell_the_record_stands():
     assert not P.gone(dead, f"another-boot/{ns}/1")  # another host
     assert not P.gone(dead, f"{boot}/1/1")  # another pid namespace
     assert not P.gone(dead, "")  # an identity that could not be read
+
+
+def test_a_proc_of_another_pid_namespace_is_not_read():
+    """Issue 29's re-review (M1): in a pid namespace whose ``/proc`` is another one's (a
+    container given the host's ``/proc``; here ``unshare --pid`` without a new mount), pid 2
+    of this namespace is another process in ``/proc``: a live peer's record was "gone" and
+    vetoed. Where ``/proc/self`` is not this pid, it cannot tell."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    code = ("import subprocess, sys\n"
+            "from flashinfer_safe_workspace.agreement import process as P\n"
+            "peer = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'],"
+            " stdin=subprocess.PIPE)\n"
+            "boot, ns, start = P.identity().split('/')\n"
+            "print(P._own_proc(), P.gone(peer.pid, f'{boot}/{ns}/{start}'), flush=True)\n"
+            "peer.stdin.close(); peer.wait(30)\n")
+    run = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=LONG)
+    if run.returncode != 0 and "unshare" in run.stderr:
+        pytest.skip(f"unshare --pid is not allowed here: {run.stderr.strip()[:120]}")
+    assert run.stdout.split() == ["False", "False"], (run.stdout, run.stderr)
+    assert P._own_proc()  # this process's /proc is its own
+
+
+def test_a_pid_hidden_from_proc_but_running_is_not_gone(monkeypatch):
+    """Issue 29's re-review (M1): with ``/proc`` mounted ``hidepid=2``, another user's
+    process has no ``/proc/<pid>``: its record was "gone". A pid that signal 0 finds runs;
+    one it does not find is gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    ident = _ident_of(child.pid)
+
+    def hidden(pid):
+        raise FileNotFoundError(f"/proc/{pid}/stat")
+    monkeypatch.setattr(P, "_start_ticks", hidden)
+    assert not P.gone(child.pid, ident)
+    child.stdin.close()
+    child.wait(LONG)
+    assert P.gone(child.pid, ident)
+
+
+def test_a_record_whose_time_is_not_a_number_stands():
+    """Issue 29's re-review (m1): a record with a time that is no number (another writer's
+    bug) raised out of the count's completion; it is taken as it is."""
+    import dataclasses
+
+    from flashinfer_safe_workspace.agreement import vote
+    from unit.facts import record
+
+    odd = dataclasses.replace(record(1), at="yesterday", proc=P.identity())
+    assert vote._gone([record(0), odd]) == []
+    old = dataclasses.replace(record(1), at=1.0, proc=P.identity(), pid=2 ** 22 + 12345)
+    assert vote._gone([odd, old]) == [1]  # the next record is still looked at
