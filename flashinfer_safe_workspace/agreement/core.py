@@ -117,7 +117,6 @@ class Core:
     out: int = 0  # the count-out this rank's add read (below the size: a rank is missing)
     spurious: bool = False  # a wake-up found no register: the next read looks first
     read: Optional[str] = None  # the register read while this rank's own abort was unanswered
-    seen: tuple = ()  # the records' payloads this rank read (the count completer)
 
     # -- events
 
@@ -245,15 +244,14 @@ class Core:
         heads, payloads = _parse(blob)
         payloads = [p for _, p in sorted(zip([h[0] for h in heads], payloads),
                                          key=lambda pair: pair[0])]
-        if sorted(pos for pos, _, _ in heads) != list(range(s.size)):
+        if sorted(pos for pos, _ in heads) != list(range(s.size)):
             text = s.codec.refuse(payloads, f"the round holds {len(heads)} records for "
                                   f"{s.size} ranks")
-        elif any(call != s.call for _, _, call in heads):
+        elif any(call != s.call for _, call in heads):
             text = s.codec.refuse(payloads, "ranks called with different arguments")
         else:
             text = s.codec.verdict(payloads)
-        core, ops = self._write(text)
-        return core._with(seen=tuple(payloads)), ops
+        return self._write(text)
 
     def _write(self, text: str) -> tuple:
         return (self._to(WRITE, proposed=self.proposed + (text,)),
@@ -338,8 +336,9 @@ def _text(raw) -> str:
 
 
 def _parse(blob) -> tuple:
-    """``([(position, flag, call)], [payload])`` of a round's record lines; a line that
-    does not parse has position -1."""
+    """``([(position, call)], [payload])`` of a round's record lines (the flag between
+    them, ``y`` or ``n``, is for a person reading the store); a line that does not parse
+    has position -1."""
     if isinstance(blob, (bytes, bytearray)):
         blob = bytes(blob).decode(errors="replace")
     heads, payloads = [], []
@@ -350,7 +349,7 @@ def _parse(blob) -> tuple:
         parts = head.split(" ")
         ok = len(parts) == 3 and parts[0].isascii() and parts[0].isdigit()
         pos = int(parts[0]) if ok else -1
-        heads.append((pos, parts[1] if len(parts) == 3 else "?", parts[-1]))
+        heads.append((pos, parts[-1]))
         payloads.append(payload)
     return heads, payloads
 
@@ -358,4 +357,4 @@ def _parse(blob) -> tuple:
 def arrived(blob) -> set:
     """The positions whose record is in a round's records ``blob`` (its ``r`` key)."""
     heads, _ = _parse(blob)
-    return {pos for pos, _, _ in heads if pos >= 0}
+    return {pos for pos, _ in heads if pos >= 0}
