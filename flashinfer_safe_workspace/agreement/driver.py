@@ -9,7 +9,8 @@ wait. The calling thread only waits, in slices, and tells the core the time. Aft
 answer the count-out runs on the round's line while the caller goes on. Rounds this rank
 left behind (``core.leftover``) go once it answers a later round of the set from the
 count's completer (``core.sweep``), or when the default group is replaced. Without a
-waiting line (a store that cannot be cloned), the wait is a ``check`` every ``POLL_S``.
+waiting line (a store that cannot be cloned, or a waiting line that failed), the wait is
+a ``check`` every ``POLL_S`` on the main line.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class StoreVote:
         self._error: Optional[BaseException] = None
         self._lines: dict = {}
         self._polled: Optional[_core.Op] = None  # a wait done by polling (no waiting line)
+        self._abort_failed = False  # its abort's connection failed: a register read answers
 
     # -- before the record
 
@@ -140,7 +142,8 @@ class StoreVote:
         for name, queue in self._queues.items():
             if queue and not self._active[name]:
                 self._active[name] = True
-                self._lines[name].submit(lambda s, n=name: self._drain(s, n))
+                self._lines[name].submit(lambda s, n=name: self._drain(s, n),
+                                         failed=lambda exc, n=name: self._failed(n, None, exc))
 
     def _answered(self, core: _core.Core) -> list:
         """Once answered: the rounds this rank left behind on the set go when this answer
@@ -174,64 +177,80 @@ class StoreVote:
             if op.tag:
                 with self._lock:
                     self._apply(*self._core.on_reply(op.tag, value))
+                    if self._abort_failed and self._core.answer is None and \
+                            self._core.read is not None:  # its abort failed: what it read
+                        self._apply(*self._core.on_error())  # is final
+                        self._error = None
 
-    def _failed(self, name: str, op: _core.Op, exc: BaseException) -> None:
+    def _failed(self, name: str, op: Optional[_core.Op], exc: BaseException) -> None:
         """A store operation failed on line ``name``. The waiting line's failure moves its
         operations to the main line (a wait becomes polling). The main line's failure
         answers from the register read meanwhile; failing this rank's abort while its
         waiting line still waits, it leaves the answer to that line until the abort's grace
-        has passed (a connection reset is not the register's answer); else in doubt."""
+        has passed (a connection reset is not the register's answer); else in doubt.
+        ``op`` is None when the line could not connect (nothing of its queue ran)."""
         with self._lock:
             queue = self._queues[name]
-            if name == "wait" and self._core.answer is None:
-                rest = [op] + list(queue)
+            if name == "wait" and self._core is not None and self._core.answer is None:
+                rest = ([op] if op is not None else []) + list(queue)
                 queue.clear()
                 self._active[name] = False
                 del self._lines["wait"]
                 self._apply(self._core, rest)
                 return
-            if self._error is None and self._core.answer is None:
-                self._error = exc
             queue.clear()
             self._active[name] = False
+            if self._core is None:  # before its record (a clean-up, a connection)
+                return
+            if self._error is None and self._core.answer is None:
+                self._error = exc
             if self._core.answer is None and self._core.read is not None:
                 self._apply(*self._core.on_error())  # it read the register already
                 self._error = None
-            elif self._core.answer is None and op.tag == _core.T_ABORT and \
-                    self._active.get("wait") and "wait" in self._lines:
-                return  # its waiting line may still read the register (a peer's write, or
-                # this abort's, if it got through): the core's grace decides (on_tick)
+            elif self._core.answer is None and op is not None and op.tag == _core.T_ABORT \
+                    and self._active.get("wait") and "wait" in self._lines:
+                self._abort_failed = True  # its waiting line may still read the register (a
+                return  # peer's write, or this abort's if it got through) until the grace
             self._done.set()
 
     def _wait(self) -> None:
         """The calling thread: wait for the answer in slices; tell the core the time at
-        its deadline and after the grace; poll a wait without a waiting line. Each slice is
-        timed from the end of the one before (the slices tile the time: a stop anywhere in
-        the loop falls in one of them); a slice longer than asked by more than
-        ``STOPPED_S`` means this process ran nothing meanwhile, and the core is told how
-        long, less ``RAN_S`` (``Core.on_resume``), before it is told the time. Each slice
-        so counts at least ``RAN_S`` of running time: a process starved in every slice is
-        in doubt after at most grace / ``RAN_S`` + 1 slices."""
+        its deadline and after the grace; poll a wait without a waiting line (a poll
+        bounded by ``SLICE_S``, inside its slice). Each slice is timed from the end of the
+        one before (the slices tile the time: a stop anywhere in the loop falls in one of
+        them); a slice longer than asked by more than ``STOPPED_S`` means this process ran
+        nothing meanwhile, and the core is told how long, less ``RAN_S``
+        (``Core.on_resume``). The slice after a resumption tells the core the time only
+        after at least ``RAN_S`` more, so that replies waiting since the stop are read
+        first; the slice after that ticks whatever it took. Each slice so counts at least
+        ``RAN_S`` of running time, and a process starved in every slice is in doubt after
+        at most twice grace / ``RAN_S`` slices."""
         try:
-            last = time.monotonic()
+            last, resumed = time.monotonic(), False
             while not self._done.is_set():
                 with self._lock:
                     wake = self._core.wake_at()
                 pause = _store.SLICE_S if self._polled is None else POLL_S
                 if wake is not None:
                     pause = min(pause, max(wake - time.monotonic(), 0.0))
+                if resumed:
+                    pause = max(pause, RAN_S)
                 self._done.wait(pause)
+                asked = pause
+                if self._polled is not None and not self._done.is_set():
+                    self._poll()
+                    asked += _store.SLICE_S  # what the poll may take (its bound)
                 now = time.monotonic()
-                lost, last = now - last - pause, now
+                lost, last = now - last - asked, now
                 if self._done.is_set():
                     break
-                if self._polled is not None:
-                    self._poll()
-                    last = time.monotonic()  # the poll's time is the store's, not lost
                 with self._lock:
-                    if lost > STOPPED_S:  # past what scheduling may take: a stop (less
-                        # RAN_S: every slice counts some running time)
+                    if lost > STOPPED_S and not resumed:  # past what scheduling may take:
+                        # a stop (less RAN_S: every slice counts some running time)
                         self._apply(*self._core.on_resume(now, lost - RAN_S))
+                        resumed = True
+                        continue  # the replies that came meanwhile first
+                    resumed = False
                     if wake is not None and now >= wake:
                         self._apply(*self._core.on_tick(now))
         except BaseException:
@@ -242,7 +261,7 @@ class StoreVote:
         op = self._polled
         try:
             there = self._lines["main"].call(lambda s: s.check([op.key]),
-                                             self.deadline + self.grace)
+                                             time.monotonic() + _store.SLICE_S)
         except _store.StoreTimeout:
             return
         except Exception as exc:  # noqa: BLE001 - the store failed: in doubt

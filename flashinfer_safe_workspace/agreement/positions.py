@@ -122,15 +122,20 @@ class Group:
 
     def generation_by(self, line, size: int, deadline: float) -> int:
         """The generation, read from the store if no head start did (bounded by
-        ``deadline``: ``store.StoreTimeout``; a store error is raised as it is)."""
+        ``deadline``: ``store.StoreTimeout``; a store error: ``store.StoreUnavailable``,
+        and the next call tries again)."""
         op = self.start_generation(line, size)
         if op is not None:
-            _store.wait_op(op, deadline)
-            if self.generation is None:  # the add failed: try again at the next call
-                with self._lock:
-                    self._pending = None
-                raise _store.StoreUnavailable("the group's generation could not be read: "
-                                              f"{_store.short(op.error) if op.error else '?'}")
+            try:
+                _store.wait_op(op, deadline)
+            except _store.StoreTimeout:
+                raise  # still on its way: the next call waits for the same add
+            except Exception as exc:
+                with self._lock:  # the add failed: the next call tries again
+                    if self._pending is op:
+                        self._pending = None
+                raise _store.StoreUnavailable(
+                    f"the group's generation could not be read: {_store.short(exc)}") from exc
         return self.generation
 
 

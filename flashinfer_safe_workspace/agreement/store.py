@@ -32,11 +32,12 @@ class StoreTimeout(RuntimeError):
 
 
 class _Op:
-    __slots__ = ("fn", "done", "value", "error", "started", "cancelled")
+    __slots__ = ("fn", "done", "value", "error", "started", "cancelled", "failed")
 
-    def __init__(self, fn: Callable[[Any], Any]):
+    def __init__(self, fn: Callable[[Any], Any], failed: Optional[Callable] = None):
         self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
         self.started = self.cancelled = False
+        self.failed = failed  # told the error when the line could not connect for it
 
 
 class StoreLine:
@@ -72,6 +73,11 @@ class StoreLine:
                     if op is not None:
                         op.error = exc
                         op.done.set()
+                        if op.failed is not None:
+                            try:
+                                op.failed(exc)
+                            except Exception:  # noqa: BLE001 - the line's thread goes on
+                                pass
                     continue
             with self._wake:
                 if not self._queue:
@@ -104,8 +110,10 @@ class StoreLine:
         if self._store is None and (self._thread is None or not self._thread.is_alive()):
             self.submit(lambda _s: None)
 
-    def submit(self, fn: Callable[[Any], Any]) -> _Op:
-        op = _Op(fn)
+    def submit(self, fn: Callable[[Any], Any], failed: Optional[Callable] = None) -> _Op:
+        """Queue ``fn(store)``; ``failed(exc)`` is called (on the line's thread) when the
+        line cannot connect for it, so ``fn`` never runs."""
+        op = _Op(fn, failed)
         with self._wake:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fiws-store", daemon=True)
@@ -173,10 +181,12 @@ def epoch() -> int:
 
 
 def _note_failure(exc: BaseException, line_epoch: int) -> None:
-    """A connection that broke (not a timeout) means the store host is gone: later
-    operations fail at once without touching a socket. Torch logs every failed operation
-    of a TCPStore client with a C++ stack trace of some thirty frames on stderr; this keeps
-    it to the first one of this process."""
+    """A connection that broke (not a timeout) means the store host is gone: no line opens
+    a new connection to it (its open connections still carry what is queued on them: one
+    connection's reset is not every connection's). Torch logs every failed operation of a
+    TCPStore client with a C++ stack trace of some thirty frames on stderr; this keeps it
+    to one per connection of ours that was open (the main line and one waiting line per
+    rank set in use), not one per operation."""
     global _gone
     try:
         from torch.distributed import DistNetworkError

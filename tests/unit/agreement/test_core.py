@@ -541,6 +541,32 @@ def test_the_g_th_group_on_a_store_reads_generation_g(size, before, generation):
         line.close()
 
 
+class _FailsFirst(_Counter):
+    """A store whose first ``add`` fails (a connection reset), the next ones answer."""
+
+    def add(self, key, n):
+        if not self.adds:
+            self.adds += 1
+            raise RuntimeError("Connection reset by peer")
+        return super().add(key, n)
+
+
+def test_a_generation_read_that_failed_is_tried_again_at_the_next_call():
+    """The mutation run of issue 29: the failed read stayed pending, so every later call of
+    the group failed on the same error. It raises ``StoreUnavailable`` (a store error, not
+    ours) and the next call reads the generation."""
+    store = _FailsFirst(2)
+    group = P.Group()
+    line = _store.StoreLine(lambda: store)
+    try:
+        with pytest.raises(_store.StoreUnavailable, match="generation could not be read"):
+            group.generation_by(line, 2, time.monotonic() + LONG)
+        assert group.generation_by(line, 2, time.monotonic() + LONG) == 1
+        assert store.adds == 2
+    finally:
+        line.close()
+
+
 def test_a_new_default_group_starts_anew_and_hands_over_what_it_left_behind(monkeypatch):
     monkeypatch.setattr(P, "_replaced", [])
     clean = P.Group()
