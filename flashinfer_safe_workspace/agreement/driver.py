@@ -76,11 +76,11 @@ class StoreVote:
         if "wait" in self._lines:
             self._lines["wait"].warm()
         main = self._lines["main"]
-        for old in _positions.replaced():
-            forget_group(old, main)
         size = self._size if self._size is not None else _group_size()
         generation = self.group.generation_by(main, size, self.deadline + self.grace)
         # (a store that does not answer vetoes as STORE_ERROR after the grace, as in a round)
+        for old in _positions.replaced():
+            forget_group(old, main, generation)
         self.prefix = _positions.prefix(generation, self.mkey, self.position)
 
     # -- the vote
@@ -406,11 +406,17 @@ def _group_size() -> int:
     return _group.world_size()
 
 
-def forget_group(old, line) -> None:
+def forget_group(old, line, generation: Optional[int] = None) -> None:
     """The default group ``old`` was replaced: the rounds it left behind go, on ``line``
-    (the new group's; without waiting). Never raises."""
+    (the new group's; without waiting), but for those of the new group's own
+    ``generation``: on the same store a new group's generation is a later one, so a
+    leftover with the same number is the new group's own round on a new store, whose
+    counts start again (deleting it under a peer's feet lost that round: both ranks waited
+    out the vote timeout). Never raises."""
     try:
-        ops = _core.forget(old.leftovers())
+        keep = None if generation is None else _positions.of_generation(generation)
+        ops = _core.forget([p for p in old.leftovers()
+                            if keep is None or not p.startswith(keep)])
         if ops:
             line.submit(lambda s: [s.delete_key(op.key) for op in ops])
     except Exception:  # noqa: BLE001 - clean-up only

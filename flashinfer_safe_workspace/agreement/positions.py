@@ -28,7 +28,12 @@ LEFT = 1024  # rounds left behind remembered per rank set (beyond, the oldest ke
 
 def prefix(generation: int, members: str, position: int) -> str:
     """The keys of one round: the same text on every rank of the round."""
-    return f"fiws/{generation}/{members}/{position}/"
+    return f"{of_generation(generation)}{members}/{position}/"
+
+
+def of_generation(generation: int) -> str:
+    """What every key of a generation's rounds starts with."""
+    return f"fiws/{generation}/"
 
 
 class Group:

@@ -214,6 +214,25 @@ def test_a_replaced_group_s_leftovers_go_on_the_new_group_s_line(store, monkeypa
     assert not any(store.check(["fiws/0/0-1/3/" + k]) for k in C.KEYS)
 
 
+def test_a_replaced_group_s_leftovers_never_take_the_new_group_s_own_rounds(store):
+    """The flaky real-rank scenario "the host destroys its default group and initialises a
+    new one (a new store)": on a new store the generations start again, so the old group's
+    leftover ``fiws/0/0-1/0/`` was the new group's first round, and its keys were deleted
+    under the peer's feet (both ranks waited out the vote timeout). A leftover of the new
+    group's own generation stays; an earlier generation's goes."""
+    old = P.Group()
+    old.remember("0-1", "fiws/0/0-1/0/")
+    old.remember("0-1", "fiws/1/0-1/2/")
+    for prefix in ("fiws/0/0-1/0/", "fiws/1/0-1/2/"):
+        for k in C.KEYS:
+            store.set(prefix + k, "x")
+    main = lines(store)["main"]
+    D.forget_group(old, main, 0)
+    assert main.submit(lambda s: None).done.wait(LONG)
+    assert all(store.check(["fiws/0/0-1/0/" + k]) for k in C.KEYS)
+    assert not any(store.check(["fiws/1/0-1/2/" + k]) for k in C.KEYS)
+
+
 def test_a_cached_veto_posts_its_abort_where_its_peer_votes(store, monkeypatch):
     """A rank answering from its veto cache never publishes: its abort goes into that
     round, so a peer making another call there (or one that did not cache) learns at once."""
