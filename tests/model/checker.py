@@ -14,7 +14,9 @@ Always:
 - ``bounded``: every answer comes within T + grace of the call's start, or within the
   grace of the rank's resumption when it was paused;
 - ``terminates``: in a state with no step left, every rank that did not crash has answered
-  every call, and none has a connection left waiting in the store;
+  every call, and none has a connection left waiting in the store; and from every state
+  some history ends (no cycle of steps that time cannot leave: a livelock, which urgency
+  would otherwise hide, as the search only sees states it has not seen);
 - ``clean-up``: in such a final state, a round that every rank answered (none crashed;
   from its cache too) while the store answered has left no key behind (where the store
   stopped, a request stuck on one connection may land after the round's deletion, sent on
@@ -159,6 +161,8 @@ def explore(sc: S.Scenario, limit: int = 2_000_000, key: Callable = S.key) -> Re
     res = Result(sc.name)
     start = S.initial(sc)
     parent: dict = {key(start): None}
+    before: dict = collections.defaultdict(list)  # state -> the states with a step to it
+    finals: list = []
     queue = collections.deque([start])
     while queue:
         state = queue.popleft()
@@ -169,20 +173,48 @@ def explore(sc: S.Scenario, limit: int = 2_000_000, key: Callable = S.key) -> Re
         bad = always(sc, state)
         res.seen |= sometimes(state)
         nexts = S.successors(sc, state)
+        here = key(state)
         if not nexts:
             res.finals += 1
+            finals.append(here)
             bad += final(sc, state)
         if bad:
             res.violations.append((bad[0], _trace(parent, key, state)))
             break
         for action, nxt in nexts:
             k = key(nxt)
+            before[k].append(here)
             if k in parent:
                 continue
-            parent[k] = (key(state), action)
+            parent[k] = (here, action)
             queue.append(nxt)
+    if not res.violations:
+        stuck = _stuck(parent, before, finals)
+        if stuck is not None:
+            res.violations.append(("terminates: a cycle no history leaves (a livelock: time "
+                                   "never advances)", _trace_key(parent, stuck)))
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _stuck(parent: dict, before: dict, finals: list):
+    """A state from which no final state can be reached (every history from it runs in a
+    cycle of steps, with time frozen by urgency), or None: backwards from the finals."""
+    reach, queue = set(finals), collections.deque(finals)
+    while queue:
+        for k in before.get(queue.popleft(), ()):
+            if k not in reach:
+                reach.add(k)
+                queue.append(k)
+    return next((k for k in parent if k not in reach), None)
+
+
+def _trace_key(parent: dict, k) -> list:
+    out = []
+    while parent.get(k) is not None:
+        k, action = parent[k]
+        out.append(action)
+    return out[::-1]
 
 
 def _trace(parent: dict, key: Callable, state: S.State) -> list:

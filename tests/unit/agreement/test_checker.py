@@ -155,6 +155,21 @@ def test_an_interrupt_that_writes_no_abort_is_caught():
     assert "abort by an interrupt" not in res.seen  # its peers wait for their deadline
 
 
+def test_a_livelock_is_caught(monkeypatch):
+    """A rank woken for nothing that looks at the wrong key (or takes "it is there now"
+    for another spurious wake-up) waits and looks again for ever, with time frozen by
+    urgency. The search sees no new state and found no violation; the mutation run of
+    issue 29 showed it (``_woken``, ``_fetched``). Every state must reach a final one."""
+    right = C.Core._woken
+
+    def woken(self, value):
+        if self.spurious:
+            return self._to(C.FETCH), [C.Op("check", self.setup.key("D"), tag=C.T_FETCH)]
+        return right(self, value)
+    monkeypatch.setitem(C._HANDLERS, (C.WAIT, C.T_WAIT), woken)
+    assert _violated(_named("outsider")).startswith("terminates: a cycle")
+
+
 def test_keys_without_the_generation_are_caught(monkeypatch):
     monkeypatch.setattr(S, "prefix", lambda generation, members, position: f"fiws/{members}/{position}/")
     fresh = next(sc for sc in SC.TWO if sc.fresh)
