@@ -113,7 +113,11 @@ def some_calls(i):
     calls += 2; outs += [rank_lib.create(rank=RANK)[0], rank_lib.create(rank=RANK)[0]]
     seen.append(outs)
     dev.free_bytes = 80 << 30
-    # once every rank's queued clean-ups have run (the store line is first in, first out)
+    # once every rank's queued clean-ups have run (each line is first in, first out: the
+    # count-outs and deletions of a round run on its rank set's waiting line, a cached
+    # veto's on the first line)
+    _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
+    _line_of.waiter(T, "0-1").call(lambda s: None, time.monotonic() + 60)
     _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
     dist.barrier()
     n = dist.distributed_c10d._get_default_store().num_keys() if RANK == 0 else -1
