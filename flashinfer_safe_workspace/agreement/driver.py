@@ -191,6 +191,7 @@ class StoreVote:
         ``op`` is None when the line could not connect (nothing of its queue ran)."""
         with self._lock:
             queue = self._queues[name]
+            queue_head = queue[0] if queue else None
             if name == "wait" and self._core is not None and self._core.answer is None:
                 rest = ([op] if op is not None else []) + list(queue)
                 queue.clear()
@@ -202,6 +203,8 @@ class StoreVote:
             self._active[name] = False
             if self._core is None:  # before its record (a clean-up, a connection)
                 return
+            if op is None and queue_head is not None:  # could not connect: what it held
+                op = queue_head
             if self._error is None and self._core.answer is None:
                 self._error = exc
             if self._core.answer is None and self._core.read is not None:
@@ -220,11 +223,11 @@ class StoreVote:
         one before (the slices tile the time: a stop anywhere in the loop falls in one of
         them); a slice longer than asked by more than ``STOPPED_S`` means this process ran
         nothing meanwhile, and the core is told how long, less ``RAN_S``
-        (``Core.on_resume``). The slice after a resumption tells the core the time only
-        after at least ``RAN_S`` more, so that replies waiting since the stop are read
-        first; the slice after that ticks whatever it took. Each slice so counts at least
-        ``RAN_S`` of running time, and a process starved in every slice is in doubt after
-        at most twice grace / ``RAN_S`` slices."""
+        (``Core.on_resume``), whatever the slice before. After a resumption the core is
+        told the time only after a slice of at least ``RAN_S`` more, so that replies
+        waiting since the stop are read first (the slice after that ticks, stopped or
+        not). Each slice so counts at least ``RAN_S`` of running time, and a process
+        starved in every slice is in doubt after at most twice grace / ``RAN_S`` slices."""
         try:
             last, resumed = time.monotonic(), False
             while not self._done.is_set():
@@ -245,11 +248,11 @@ class StoreVote:
                 if self._done.is_set():
                     break
                 with self._lock:
-                    if lost > STOPPED_S and not resumed:  # past what scheduling may take:
-                        # a stop (less RAN_S: every slice counts some running time)
+                    if lost > STOPPED_S:  # a stop: always credited (less RAN_S)
                         self._apply(*self._core.on_resume(now, lost - RAN_S))
-                        resumed = True
-                        continue  # the replies that came meanwhile first
+                        if not resumed:
+                            resumed = True
+                            continue  # the replies that came meanwhile first
                     resumed = False
                     if wake is not None and now >= wake:
                         self._apply(*self._core.on_tick(now))

@@ -630,3 +630,115 @@ def test_a_waiting_line_that_cannot_connect_falls_back_to_polling(store):
                                  lines=ls, group=known(), size=2))
     outs = together(*[(v, record(i)) for i, v in enumerate(votes)])
     assert all(o.commit and o.elapsed_s < LONG / 2 for o in outs), outs
+
+
+def test_an_abort_whose_line_cannot_connect_waits_the_grace_for_the_register(store):
+    """Issue 29's fourth review (M1): the main line could not connect for the abort (a
+    reset on another connection marks the store host gone for new connections); the line
+    told the driver with no operation, so the abort branch was skipped and the rank was in
+    doubt at once, beside rank 1's commit. The queued abort is the one that failed."""
+    def no_connect():
+        raise _store.StoreUnavailable("the c10d store is gone: (a reset on another connection)")
+    main = _store.StoreLine(no_connect)
+    waiting = _store.StoreLine(lambda: store)
+    _LINES.append(waiting)
+    a = D.StoreVote((0, 1), 0, "c", time.monotonic(), 0.0, 0, "unit",
+                    lines={"main": main, "wait": waiting}, group=known(), size=2)
+    a.grace = LONG
+    a.open()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(0, a.vote(record(0))), daemon=True)
+    t.start()
+    for _ in range(int(LONG / 0.01)):  # rank 0's abort has failed
+        if a._error is not None:
+            break
+        time.sleep(0.01)
+    b = vote_of(store, 1)
+    b.open()
+    assert b.vote(record(1)).commit
+    t.join(LONG)
+    assert out[0].commit and not out[0].in_doubt, out[0]
+
+
+class _TwoStops(_Clock):
+    """The calling thread's clock jumps 5 s at its next reading once armed and, with
+    ``second``, 5 s again two readings later: the process stopped, ran a few ms, stopped
+    again (other threads read the real clock plus what has jumped so far)."""
+
+    def __init__(self, second):
+        super().__init__()
+        self.second, self.armed = second, None
+        self.tid = threading.get_ident()
+
+    def monotonic(self):
+        with self._lock:
+            if threading.get_ident() != self.tid:
+                return time.monotonic() + self.offset
+            self.readings += 1
+            if self.armed is not None and self.readings >= self.armed[0]:
+                self.offset += 5.0
+                self.jumped.set()
+                self.armed = (self.readings + 2, 1) if self.second and not self.armed[1] else None
+            return time.monotonic() + self.offset
+
+    def arm(self):
+        with self._lock:
+            self.armed = (self.readings + 1, 0)
+
+
+class _PeerCommitsThenStops:
+    """Rank 0's main connection: at its abort rank 1 commits, rank 0 stops (``_TwoStops``),
+    and the reply (the commit) is read 0.3 s after it runs again."""
+
+    def __init__(self, inner, clock, peer):
+        self.inner, self.clock, self.peer = inner, clock, peer
+
+    def compare_set(self, key, expected, desired):
+        if desired == D.ABSENT or not key.endswith("/d"):
+            return self.inner.compare_set(key, expected, desired)
+        self.peer()
+        self.clock.arm()
+        self.clock.jumped.wait(LONG)
+        time.sleep(0.3)
+        return self.inner.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _WokenAfterJump:
+    def __init__(self, inner, clock):
+        self.inner, self.clock = inner, clock
+
+    def wait(self, keys, *args):
+        out = self.inner.wait(keys, *args)
+        if self.clock.jumped.wait(LONG):
+            time.sleep(0.3)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["one stop", "two stops"])
+def test_a_second_stop_right_after_a_resumption_is_not_the_store_s_time(store, monkeypatch, second):
+    """Issue 29's fourth review (C1): the slice after a resumption did not credit a stop
+    of its own, and ticked with all that time counted: stopped 5 s, run a few ms, stopped
+    5 s again, the rank was in doubt beside rank 1's commit. Every stop is credited; only
+    the tick of the first slice after a resumption waits."""
+    clock, out = _TwoStops(second), {}
+    monkeypatch.setattr(D, "time", clock)
+
+    def peer():
+        b = vote_of(store, 1)
+        b.open()
+        out[1] = b.vote(record(1))
+    ls = {"main": _store.StoreLine(lambda: _PeerCommitsThenStops(store, clock, peer)),
+          "wait": _store.StoreLine(lambda: _WokenAfterJump(store, clock))}
+    _LINES.extend(ls.values())
+    a = D.StoreVote((0, 1), 0, "c", clock.monotonic() + 0.05, 0.05, 0, "unit", lines=ls,
+                    group=known(), size=2)
+    a.grace = 1.0
+    a.open()
+    out[0] = a.vote(record(0))
+    assert out[1].commit and out[0].commit and not out[0].in_doubt, out
