@@ -163,7 +163,10 @@ def test_fifty_reinits_and_five_hundred_calls_hold_the_store_threads():
 REAP_BODY = faults.COMMON + """
 from flashinfer_safe_workspace.agreement import store as _line_of
 dev = rank_lib.setup(free_mb=None, vote_timeout=T)
-def keys():  # once every rank's queued clean-ups have run (the store line is first in, first out)
+def keys():  # once every rank's queued clean-ups have run (each line is first in, first
+    # out: a round's count-outs and deletions run on its rank set's waiting line)
+    _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
+    _line_of.waiter(T, "0-1").call(lambda s: None, time.monotonic() + 60)
     _line_of.line(T).call(lambda s: None, time.monotonic() + 60)
     dist.barrier()
     n = STORE.num_keys() if RANK == 0 else -1
