@@ -1102,6 +1102,14 @@ def _step_late(check):
         firsts = [_res(runs, r)["first"] for r in (0, 1)]
         for f in firsts:
             _expect(f["outcome"] == "none" and f["secs"] <= BOUND, firsts)
+        if any(f["reasons"] == ["STORE_ERROR"] for f in firsts):
+            # the store host (rank 0) did not answer either rank's write within the grace
+            # (seen once in a clean-clone run on a loaded 2-core machine): a veto in doubt,
+            # never before the deadline plus the grace, and on every rank
+            from flashinfer_safe_workspace.agreement.vote import GRACE_S
+            _expect(all(f["secs"] >= VOTE_TIMEOUT + GRACE_S for f in firsts
+                        if f["reasons"] == ["STORE_ERROR"]), firsts)
+            return
         _expect(firsts[1]["reasons"] == ["STEP_TIMEOUT"], firsts)
         _expect(firsts[0]["reasons"] in (["STEP_TIMEOUT"], ["ABSENT"], ["ABORTED"]), firsts)
         _expect(firsts[1]["check"] == check, firsts)
