@@ -489,9 +489,16 @@ def test_an_abort_whose_connection_resets_waits_the_grace_for_the_register(store
     completed the count and committed: a veto beside a creation. Rank 0's waiting line
     still waits on the register: it reads rank 1's commit, which is rank 0's answer, at
     once (a register read is final: not at the end of the grace, the third review's 4)."""
-    main = _store.StoreLine(lambda: _ResetsOnAbort(store))
+    out = _abort_fails_then_peer_commits(store, lambda: _ResetsOnAbort(store))
+    assert out.commit and not out.in_doubt and out.elapsed_s < LONG / 2, out
+
+
+def _abort_fails_then_peer_commits(store, opener):
+    """Rank 0 alone at its deadline, its abort on a main line opened by ``opener`` (which
+    fails it); once it has failed, rank 1 votes yes and commits. Rank 0's outcome."""
+    main = _store.StoreLine(opener)
     waiting = _store.StoreLine(lambda: store)
-    _LINES.extend([main, waiting])
+    _LINES.extend([main, waiting])  # (one that cannot connect fails the drain's check at once)
     a = D.StoreVote((0, 1), 0, "c", time.monotonic(), 0.0, 0, "unit",
                     lines={"main": main, "wait": waiting}, group=known(), size=2)
     a.grace = LONG
@@ -507,7 +514,7 @@ def test_an_abort_whose_connection_resets_waits_the_grace_for_the_register(store
     b.open()
     assert b.vote(record(1)).commit
     t.join(LONG)
-    assert out[0].commit and not out[0].in_doubt and out[0].elapsed_s < LONG / 2, out[0]
+    return out[0]
 
 
 class _JumpClock:
@@ -639,25 +646,8 @@ def test_an_abort_whose_line_cannot_connect_waits_the_grace_for_the_register(sto
     doubt at once, beside rank 1's commit. The queued abort is the one that failed."""
     def no_connect():
         raise _store.StoreUnavailable("the c10d store is gone: (a reset on another connection)")
-    main = _store.StoreLine(no_connect)
-    waiting = _store.StoreLine(lambda: store)
-    _LINES.append(waiting)
-    a = D.StoreVote((0, 1), 0, "c", time.monotonic(), 0.0, 0, "unit",
-                    lines={"main": main, "wait": waiting}, group=known(), size=2)
-    a.grace = LONG
-    a.open()
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault(0, a.vote(record(0))), daemon=True)
-    t.start()
-    for _ in range(int(LONG / 0.01)):  # rank 0's abort has failed
-        if a._error is not None:
-            break
-        time.sleep(0.01)
-    b = vote_of(store, 1)
-    b.open()
-    assert b.vote(record(1)).commit
-    t.join(LONG)
-    assert out[0].commit and not out[0].in_doubt, out[0]
+    out = _abort_fails_then_peer_commits(store, no_connect)
+    assert out.commit and not out.in_doubt, out
 
 
 class _TwoStops(_Clock):
